@@ -1,0 +1,1 @@
+"""tokenwire.api layer."""

@@ -1,0 +1,1 @@
+"""tokenwire.engine layer."""

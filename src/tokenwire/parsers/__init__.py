@@ -1,0 +1,1 @@
+"""tokenwire.parsers layer."""
