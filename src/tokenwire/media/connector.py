@@ -1,0 +1,263 @@
+"""The one guarded media connector: every media URL the server fetches goes through ``fetch``.
+
+Order of checks for http(s): scheme -> URL shape -> host allow-list -> resolve (ourselves) ->
+every resolved address vetted -> connect to a vetted address only (pinned, see ``pinning``) ->
+status (redirects re-enter the loop, re-checked) -> size before and while reading. One deadline
+bounds the whole fetch. ``data:`` (base64 only) and ``file:`` (only under the allowed folder)
+never touch the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import ipaddress
+import logging
+import os
+import socket
+import ssl
+import stat
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import httpx
+
+from tokenwire.media.errors import MediaError, MediaFetchFailed, MediaRefused, Rule
+from tokenwire.media.pinning import PinnedTransport, PinTable
+from tokenwire.media.policy import MAX_REDIRECTS, MediaPolicy, is_public_address, url_host
+
+__all__ = ["MediaConnector", "MediaError", "MediaFetchFailed", "MediaPolicy", "MediaRefused"]
+
+logger = logging.getLogger("tokenwire.media")
+
+Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
+"""(host, port) -> IP address strings; the seam tests use to fake DNS."""
+
+_USER_AGENT = "tokenwire-media/0.1"
+
+
+async def system_resolve(host: str, port: int) -> list[str]:
+    """All addresses the system resolver gives (also normalises ``2130706433``, ``0x7f.1``)."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    addresses: list[str] = []
+    for _family, _type, _proto, _canon, sockaddr in infos:
+        address = str(sockaddr[0])
+        if address not in addresses:
+            addresses.append(address)
+    return addresses
+
+
+class MediaConnector:
+    """Fetches media bytes under a ``MediaPolicy``; built once at start-up, shared by routes."""
+
+    def __init__(
+        self,
+        policy: MediaPolicy,
+        *,
+        resolver: Resolver | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self.policy = policy
+        self._resolve = resolver or system_resolve
+        self._local_root: Path | None = None
+        if policy.allowed_local_path is not None:
+            root = policy.allowed_local_path.resolve(strict=True)
+            if not root.is_dir():
+                raise ValueError(f"--allowed-local-media-path {root} is not a directory")
+            self._local_root = root
+        if policy.allowed_domains is None:
+            logger.warning(
+                "--allowed-media-domains is not set: media URLs may name any public host"
+            )
+        self._pins = PinTable()
+        self._client = httpx.AsyncClient(
+            transport=PinnedTransport(self._pins, ssl_context),
+            trust_env=False,
+            follow_redirects=False,
+            timeout=httpx.Timeout(policy.timeout_s),
+            headers={"User-Agent": _USER_AGENT, "Accept-Encoding": "identity"},
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def fetch(self, url: str) -> bytes:
+        """The bytes ``url`` names, or a ``MediaError`` (400 refusal / 422 or 400 failure)."""
+        scheme, sep, _ = url.partition(":")
+        scheme = scheme.lower()
+        if not sep or scheme not in ("http", "https", "data", "file"):
+            raise MediaRefused(Rule.UNSUPPORTED_SCHEME, "use http, https, data or file")
+        if scheme == "data":
+            return self._decode_data_url(url)
+        if scheme == "file":
+            return await self._read_local_file(url)
+        try:
+            async with asyncio.timeout(self.policy.timeout_s):
+                return await self._fetch_http(url)
+        except TimeoutError:
+            raise MediaRefused(
+                Rule.TIMED_OUT, f"no complete response within {self.policy.timeout_s:g} s"
+            ) from None
+
+    # -- http(s) ------------------------------------------------------------------------------
+
+    async def _fetch_http(self, url: str) -> bytes:
+        current = self._parse_http_url(url)
+        for hop in range(MAX_REDIRECTS + 1):
+            host = url_host(current)
+            addresses = await self._vetted_addresses(current)
+            with self._pins.pinned(host, addresses):
+                try:
+                    async with self._client.stream("GET", current) as response:
+                        if not response.is_redirect:
+                            return await self._read_body(response)
+                        location = response.headers["location"]
+                except httpx.InvalidURL:
+                    # httpx parses Location itself even with follow_redirects=False.
+                    if not self.policy.allow_redirects:
+                        raise MediaRefused(Rule.REDIRECTS_NOT_ALLOWED) from None
+                    raise MediaRefused(Rule.INVALID_URL, "bad redirect Location") from None
+                except httpx.TimeoutException:
+                    raise MediaRefused(Rule.TIMED_OUT) from None
+                except httpx.ConnectError as exc:
+                    message = f"could not connect to media host {host}: {exc}"
+                    raise MediaFetchFailed(message) from None
+                except httpx.HTTPError as exc:
+                    name = type(exc).__name__
+                    raise MediaFetchFailed(f"media fetch from {host} failed ({name})") from None
+            if not self.policy.allow_redirects:
+                raise MediaRefused(Rule.REDIRECTS_NOT_ALLOWED, "set --media-allow-redirects")
+            if hop == MAX_REDIRECTS:
+                break
+            try:
+                target = current.join(location)
+            except httpx.InvalidURL:
+                raise MediaRefused(Rule.INVALID_URL, "bad redirect Location") from None
+            current = self._parse_http_url(str(target))
+        raise MediaRefused(Rule.TOO_MANY_REDIRECTS, f"more than {MAX_REDIRECTS}")
+
+    def _parse_http_url(self, url: str) -> httpx.URL:
+        """Shape and allow-list checks; used for the first URL and for every redirect target."""
+        try:
+            parsed = httpx.URL(url)
+        except (httpx.InvalidURL, ValueError, TypeError):
+            raise MediaRefused(Rule.INVALID_URL) from None
+        if parsed.scheme not in ("http", "https"):
+            raise MediaRefused(Rule.UNSUPPORTED_SCHEME, "redirects may only go to http or https")
+        if not parsed.raw_host:
+            raise MediaRefused(Rule.INVALID_URL, "no host")
+        if parsed.userinfo:
+            raise MediaRefused(Rule.CREDENTIALS_IN_URL)
+        host = url_host(parsed)
+        if not self.policy.host_allowed(host):
+            raise MediaRefused(Rule.DOMAIN_NOT_ALLOWED, host)
+        return parsed.copy_with(fragment=None)
+
+    async def _vetted_addresses(self, url: httpx.URL) -> list[str]:
+        """Resolve the host and refuse if ANY answer is non-public (unless private is allowed)."""
+        host = url_host(url)
+        port = url.port or (443 if url.scheme == "https" else 80)
+        try:
+            addresses = [ipaddress.ip_address(host).compressed]
+        except ValueError:
+            try:
+                addresses = list(await self._resolve(host, port))
+            except (OSError, UnicodeError) as exc:
+                raise MediaFetchFailed(f"could not resolve media host {host}: {exc}") from None
+        if not addresses:
+            raise MediaFetchFailed(f"could not resolve media host {host}")
+        if not self.policy.allow_private_networks:
+            for address in addresses:
+                try:
+                    public = is_public_address(ipaddress.ip_address(address))
+                except ValueError:
+                    public = False
+                if not public:
+                    raise MediaRefused(
+                        Rule.PRIVATE_ADDRESS,
+                        f"{host} is or resolves to a private, loopback, link-local, multicast or "
+                        "reserved address (set --allow-private-media-networks to allow)",
+                    )
+        return addresses
+
+    async def _read_body(self, response: httpx.Response) -> bytes:
+        status = response.status_code
+        if 400 <= status < 500:
+            raise MediaFetchFailed(
+                f"media host answered {status}", status=422, remote_status=status
+            )
+        if not 200 <= status < 300:
+            raise MediaFetchFailed(f"media host answered {status}", remote_status=status)
+        limit = self.policy.max_bytes
+        declared = response.headers.get("content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+            raise MediaRefused(Rule.TOO_LARGE, f"Content-Length {int(declared)} > {limit} bytes")
+        body = bytearray()
+        async for chunk in response.aiter_bytes():
+            if len(body) + len(chunk) > limit:
+                raise MediaRefused(Rule.TOO_LARGE, f"more than {limit} bytes")
+            body += chunk
+        return bytes(body)
+
+    # -- data: --------------------------------------------------------------------------------
+
+    def _decode_data_url(self, url: str) -> bytes:
+        header, sep, payload = url[len("data:") :].partition(",")
+        if not sep:
+            raise MediaRefused(Rule.INVALID_URL, "data URL without ','")
+        if header.rsplit(";", 1)[-1].strip().lower() != "base64":
+            raise MediaRefused(Rule.DATA_URL_NOT_BASE64, "use data:<mime>;base64,<payload>")
+        limit = self.policy.max_bytes
+        # Refuse by the encoded length first so a huge payload is never decoded.
+        if len(payload) > (limit + 2) // 3 * 4 + 256:
+            raise MediaRefused(Rule.TOO_LARGE, f"more than {limit} bytes")
+        if "%" in payload:
+            payload = unquote(payload)
+        try:
+            data = base64.b64decode("".join(payload.split()), validate=True)
+        except (binascii.Error, ValueError):
+            raise MediaRefused(Rule.INVALID_BASE64) from None
+        if len(data) > limit:
+            raise MediaRefused(Rule.TOO_LARGE, f"more than {limit} bytes")
+        return data
+
+    # -- file: --------------------------------------------------------------------------------
+
+    async def _read_local_file(self, url: str) -> bytes:
+        if self._local_root is None:
+            raise MediaRefused(Rule.LOCAL_FILES_DISABLED, "set --allowed-local-media-path")
+        parts = urlsplit(url)
+        if parts.netloc not in ("", "localhost"):
+            raise MediaRefused(Rule.INVALID_URL, "file URL host must be empty or localhost")
+        raw_path = unquote(parts.path)
+        if not raw_path.startswith("/") or "\x00" in raw_path:
+            raise MediaRefused(Rule.INVALID_URL, "file URL needs an absolute path")
+        # Resolve (following symlinks) before checking; non-strict so that a missing file outside
+        # the folder is refused as outside, never reported as missing (no existence oracle).
+        path = Path(raw_path).resolve(strict=False)
+        if not path.is_relative_to(self._local_root):
+            raise MediaRefused(Rule.OUTSIDE_LOCAL_PATH)
+        return await asyncio.to_thread(self._read_file, path)
+
+    def _read_file(self, path: Path) -> bytes:
+        """Regular files only; a final symlink swapped in after the check is not followed."""
+        limit = self.policy.max_bytes
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(path, flags)
+        except OSError:
+            raise MediaFetchFailed("local media file not found", status=422) from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise MediaFetchFailed("local media file not found", status=422)
+        with os.fdopen(fd, "rb") as file:
+            if info.st_size > limit:
+                raise MediaRefused(Rule.TOO_LARGE, f"more than {limit} bytes")
+            data = file.read(limit + 1)
+        if len(data) > limit:
+            raise MediaRefused(Rule.TOO_LARGE, f"more than {limit} bytes")
+        return data
