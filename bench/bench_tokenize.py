@@ -1,0 +1,70 @@
+"""/tokenize overhead: tokenwire against a bare endpoint that only calls the tokenizer.
+
+32 concurrent clients send a ~20-token prompt; the number that matters is the server's CPU per
+request (from /proc), since the client shares the machine. Target: at most 1.25x the bare one.
+
+Run: ``python bench/bench_tokenize.py [--requests N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import orjson
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from serverbench import ServerProcess, free_port, run_load, tokenwire_command  # noqa: E402
+
+from tokenwire.assets import prepare  # noqa: E402
+
+PROMPT = "Reinforcement learning from token ids keeps the sampler and the trainer in agreement."
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--requests", type=int, default=6000)
+    parser.add_argument("--clients", type=int, default=32)
+    args = parser.parse_args()
+    model_dir = prepare("qwen3-tiny")
+
+    def body(index: int) -> bytes:
+        return orjson.dumps({"prompt": f"{PROMPT} {index}"})
+
+    rows = []
+    port = free_port()
+    bare = ServerProcess(
+        [sys.executable, str(Path(__file__).parent / "bare_tokenize_app.py"), str(model_dir),
+         str(port)], port)
+    try:
+        rows.append(("bare uvicorn + tokenizer", run_load(
+            bare.url, bare.process.pid, "/tokenize", body, clients=args.clients,
+            requests=args.requests)))
+    finally:
+        bare.stop()
+    port = free_port()
+    server = ServerProcess(tokenwire_command(port, "--model", "qwen3-tiny"), port)
+    try:
+        rows.append(("tokenwire /tokenize", run_load(
+            server.url, server.process.pid, "/tokenize", body, clients=args.clients,
+            requests=args.requests)))
+    finally:
+        server.stop()
+
+    from tokenizers import Tokenizer
+
+    tokens = len(Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(f"{PROMPT} 0").ids)
+    base = rows[0][1].cpu_us_per_request
+    print(f"/tokenize, {args.clients} concurrent clients, {args.requests} requests, "
+          f"a prompt of {tokens} tokens\n")
+    print("| server | requests/s | server CPU µs/request | CPU ratio vs bare |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, result in rows:
+        print(f"| {name} | {result.requests_per_s:,.0f} | {result.cpu_us_per_request:,.0f} | "
+              f"{result.cpu_us_per_request / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

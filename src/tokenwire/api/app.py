@@ -1,0 +1,115 @@
+"""The FastAPI application: middlewares, routers, and the model loaded in the background.
+
+The model loads after the server starts listening, so /health can say 503 while it loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+
+from tokenwire import __version__
+from tokenwire.api.asgi import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
+from tokenwire.api.errors import install_error_handlers
+from tokenwire.api.metrics import Metrics, MetricsMiddleware
+from tokenwire.api.routes import generate, info, render, tokenize
+from tokenwire.api.state import ModelRuntime, ServerState
+from tokenwire.engine.hf import HFEngine
+from tokenwire.model_source import resolve_model_dir
+from tokenwire.settings import Settings
+from tokenwire.text.chat_template import ChatTemplate, load_model_chat_template
+from tokenwire.text.tokenizer import Tokenizer
+
+logger = logging.getLogger("tokenwire")
+
+
+def create_app(settings: Settings) -> FastAPI:
+    state = ServerState(settings=settings, metrics=Metrics())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        loading = asyncio.create_task(_load_runtime(state))
+        try:
+            yield
+        finally:
+            state.shutting_down = True
+            loading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loading
+            if state.runtime is not None:
+                await state.runtime.engine.shutdown()
+
+    app = FastAPI(
+        title="tokenwire",
+        version=__version__,
+        summary="Token-in/token-out LLM server for reinforcement-learning loops",
+        lifespan=lifespan,
+    )
+    app.state.tokenwire = state
+    install_error_handlers(app)
+    app.include_router(info.router)
+    app.include_router(tokenize.router)
+    app.include_router(render.router)
+    app.include_router(generate.router)
+    # Outermost last: ids on every response, then metrics, auth, and the body limit.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(MetricsMiddleware, metrics=state.metrics)
+    app.add_middleware(RequestIdMiddleware)
+    return app
+
+
+async def _load_runtime(state: ServerState) -> None:
+    settings = state.settings
+    try:
+        model_dir = await asyncio.to_thread(resolve_model_dir, settings.model, logger.info)
+        tokenizer = await asyncio.to_thread(Tokenizer.load, model_dir)
+        chat_template = await asyncio.to_thread(_load_chat_template, settings, model_dir, tokenizer)
+        engine = HFEngine(
+            model_dir,
+            max_model_len=settings.max_model_len,
+            max_num_seqs=settings.max_num_seqs,
+            device=settings.device,
+        )
+        await engine.start()
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        state.load_error = f"Model failed to load: {exc}"
+        logger.exception("model failed to load")
+        return
+    state.metrics.watch_engine(engine.stats)
+    state.runtime = ModelRuntime(
+        tokenizer=tokenizer,
+        chat_template=chat_template,
+        engine=engine,
+        max_model_len=engine.max_model_len,
+    )
+    logger.info(
+        "model %s ready from %s (max_model_len=%d)",
+        state.served_name,
+        model_dir,
+        engine.max_model_len,
+    )
+
+
+def _load_chat_template(settings: Settings, model_dir, tokenizer: Tokenizer) -> ChatTemplate | None:
+    source = (
+        settings.chat_template.read_text(encoding="utf-8")
+        if settings.chat_template
+        else load_model_chat_template(model_dir)
+    )
+    if source is None:
+        logger.warning("the model has no chat template: chat requests will be refused")
+        return None
+    template = ChatTemplate(
+        source, special_tokens=tokenizer.special_tokens_map, allow_jinja2_fallback=True
+    )
+    if template.engine != "minijinja":
+        logger.warning("minijinja cannot render this chat template; using jinja2's sandbox instead")
+    return template

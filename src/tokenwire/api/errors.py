@@ -1,0 +1,94 @@
+"""One error body for every failure, and the mapping from exceptions to it.
+
+Clients (and vLLM-speaking RL libraries) read ``{"error": {message, type, param, code}}``;
+validation failures are 400 like vLLM's, not FastAPI's default 422.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from tokenwire.api.responses import OrjsonResponse
+
+logger = logging.getLogger("tokenwire.api")
+
+ERROR_TYPES: dict[int, str] = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    422: "UnprocessableEntityError",
+    499: "ClientClosedRequest",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    """An expected failure with a status for the client."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, object]:
+    error_type = ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> Response:
+    return OrjsonResponse(error_body(status, message, param), status_code=status)
+
+
+def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A message that names the offending field, e.g. ``body.tokens.0: Input should be...``."""
+    parts = []
+    first_param: str | None = None
+    for error in exc.errors()[:5]:
+        if error.get("type") == "json_invalid":
+            position = error.get("loc", ("body", "?"))[-1]
+            return f"Invalid JSON body (at character {position})", None
+        loc = [str(item) for item in error.get("loc", ()) if item != "body"]
+        # Tagged unions add the tag to the location; it names no field.
+        loc = [item for item in loc if item not in {"chat", "completion", "function-after[]"}]
+        field = ".".join(loc)
+        first_param = first_param or field or None
+        message = str(error.get("msg", "invalid value"))
+        message = message.removeprefix("Value error, ")
+        parts.append(f"{field}: {message}" if field else message)
+    return "; ".join(parts) or "Invalid request", first_param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> Response:
+        return error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
+        message, param = describe_validation_error(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
+        return error_response(exc.status_code, message)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error", exc_info=exc)
+        return error_response(500, "Internal server error")

@@ -1,0 +1,98 @@
+"""Prometheus metrics: request counts and latency by route and status, plus engine gauges."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tokenwire.engine.base import EngineStats
+
+
+class Metrics:
+    """One registry per app, so several servers in one process never share counters."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "tokenwire_requests",
+            "HTTP requests by route, method and status.",
+            ["route", "method", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "tokenwire_request_duration_seconds",
+            "HTTP request latency by route (until the response is complete).",
+            ["route"],
+            registry=self.registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+        self.media_cache_hits = Counter(
+            "tokenwire_media_cache_hits",
+            "Media items served from the cache.",
+            ["modality"],
+            registry=self.registry,
+        )
+        self.media_cache_misses = Counter(
+            "tokenwire_media_cache_misses",
+            "Media items fetched and processed.",
+            ["modality"],
+            registry=self.registry,
+        )
+
+    def watch_engine(self, stats: Callable[[], EngineStats | None]) -> None:
+        self.registry.register(_EngineCollector(stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        stats = self.stats()
+        if stats is None:
+            return
+        yield GaugeMetricFamily(
+            "tokenwire_engine_running_requests", "Requests in the running batch.", stats.running
+        )
+        yield GaugeMetricFamily(
+            "tokenwire_engine_waiting_requests", "Requests queued for a slot.", stats.waiting
+        )
+        for name, value in stats.extra.items():
+            if isinstance(value, int | float):
+                yield GaugeMetricFamily(f"tokenwire_engine_{name}", f"Engine {name}.", value)
+
+
+class MetricsMiddleware:
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def send_and_observe(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_observe)
+        finally:
+            route = scope.get("route")
+            # Unmatched paths share one label so scanners cannot blow up the label set.
+            route_name = getattr(route, "path", None) or "unmatched"
+            self.metrics.requests.labels(route_name, scope["method"], str(status)).inc()
+            self.metrics.latency.labels(route_name).observe(time.perf_counter() - started)

@@ -1,0 +1,144 @@
+"""Chat messages -> prompt text -> prompt ids: the one path /tokenize (chat form) and render share.
+
+Messages reach the template as plain dicts, shaped as vLLM shapes them: tool-call arguments sent
+as JSON strings become objects (templates ``tojson`` them), and text-only content lists become
+one string unless the template iterates over content parts itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from tokenwire.api.errors import APIError, bad_request
+from tokenwire.api.state import ModelRuntime, ServerState
+from tokenwire.protocol.chat import ChatMessage, TextPart
+from tokenwire.protocol.tokenize import ChatTemplateOptions
+from tokenwire.text.chat_template import ChatTemplate, ChatTemplateError
+
+UNTRUSTED_TEMPLATE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
+# Names the server passes itself; a request may not override them through chat_template_kwargs.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "chat_template",
+        "return_dict",
+        "return_assistant_tokens_mask",
+    }
+)
+_ITERATES_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+(\[['\"]content['\"]\]|\.content)")
+_MAX_CACHED_REQUEST_TEMPLATES = 16
+
+
+@dataclass(slots=True)
+class RenderedChat:
+    text: str
+    token_ids: list[int]
+
+
+def render_chat(
+    state: ServerState,
+    runtime: ModelRuntime,
+    options: ChatTemplateOptions,
+    *,
+    add_special_tokens: bool,
+) -> RenderedChat:
+    template = _template_for(state, runtime, options)
+    kwargs = dict(options.chat_template_kwargs or {})
+    kwargs.pop("chat_template", None)
+    kwargs = {k: v for k, v in kwargs.items() if k not in RESERVED_TEMPLATE_KWARGS}
+    messages = [
+        _message_for_template(message, template_iterates_content(template))
+        for message in options.messages
+    ]
+    tools = (
+        [tool.model_dump(exclude_unset=True) for tool in options.tools] if options.tools else None
+    )
+    try:
+        text = template.render(
+            messages,
+            tools=tools,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            **kwargs,
+        )
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), "messages") from exc
+    token_ids = runtime.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return RenderedChat(text=text, token_ids=token_ids)
+
+
+def template_iterates_content(template: ChatTemplate) -> bool:
+    return bool(_ITERATES_CONTENT.search(template.source))
+
+
+def _template_for(
+    state: ServerState, runtime: ModelRuntime, options: ChatTemplateOptions
+) -> ChatTemplate:
+    source = options.chat_template or (options.chat_template_kwargs or {}).get("chat_template")
+    if source is None:
+        if runtime.chat_template is None:
+            raise bad_request(
+                "This model has no chat template; pass --chat-template to the server", "messages"
+            )
+        return runtime.chat_template
+    if not state.settings.trust_request_chat_template:
+        raise bad_request(UNTRUSTED_TEMPLATE, "chat_template")
+    if not isinstance(source, str):
+        raise bad_request("chat_template must be a string", "chat_template")
+    cache = state.request_templates
+    template = cache.get(source)
+    if template is None:
+        try:
+            template = ChatTemplate(
+                source,
+                special_tokens=runtime.tokenizer.special_tokens_map,
+                allow_jinja2_fallback=False,
+            )
+        except ChatTemplateError as exc:
+            raise APIError(400, f"Invalid chat template: {exc}", "chat_template") from exc
+        cache[source] = template
+        while len(cache) > _MAX_CACHED_REQUEST_TEMPLATES:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(source)
+    return template
+
+
+def _message_for_template(message: ChatMessage, iterates_content: bool) -> dict[str, Any]:
+    data = message.model_dump(exclude_unset=True)
+    content = message.content
+    if isinstance(content, list):
+        if not iterates_content and all(isinstance(part, TextPart) for part in content):
+            data["content"] = "\n".join(part.text for part in content if isinstance(part, TextPart))
+        else:
+            data["content"] = [_part_for_template(part) for part in data["content"]]
+    for call in data.get("tool_calls") or ():
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            # Not JSON: the template gets the string as sent.
+            with contextlib.suppress(orjson.JSONDecodeError):
+                function["arguments"] = orjson.loads(arguments)
+    return data
+
+
+def _part_for_template(part: dict[str, Any]) -> dict[str, Any]:
+    """Media parts become ``{"type": "image"}`` etc., the form HF multimodal templates expect."""
+    kind = part.get("type", "")
+    if kind == "text":
+        return {"type": "text", "text": part.get("text", "")}
+    modality = kind.removesuffix("_url")
+    return {"type": modality}

@@ -1,0 +1,170 @@
+"""POST /inference/v1/generate and POST /abort_requests: token ids in, token ids out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import Field
+from starlette.responses import Response, StreamingResponse
+
+from tokenwire.api.disconnect import unless_disconnected
+from tokenwire.api.errors import APIError, bad_request, error_body
+from tokenwire.api.generation import ChoiceResult, GenerationJob, check_prompt
+from tokenwire.api.logprobs_format import prompt_logprobs_json, token_logprobs_json
+from tokenwire.api.responses import SSE_DONE, OrjsonResponse, sse_event
+from tokenwire.api.state import ModelRuntime, RuntimeDep, ServerState, StateDep
+from tokenwire.protocol.common import RequestModel
+from tokenwire.protocol.generate import GenerateRequest
+
+router = APIRouter(tags=["generate"])
+
+
+class AbortRequest(RequestModel):
+    request_ids: list[str] = Field(min_length=1)
+
+
+def start_job(
+    state: ServerState,
+    runtime: ModelRuntime,
+    request_id: str,
+    prompt_ids: list[int],
+    body_params: Any,
+    media: Any = None,
+) -> GenerationJob:
+    """Validate against the model and register the job so /abort_requests can find it."""
+    if body_params.n > state.settings.max_n:
+        raise bad_request(f"n must be at most {state.settings.max_n}, got {body_params.n}", "n")
+    if request_id in state.jobs:
+        raise bad_request(f"request id {request_id!r} is already running", "request_id")
+    max_tokens = check_prompt(runtime, prompt_ids, body_params.max_tokens, param="token_ids")
+    job = GenerationJob(
+        runtime, request_id, prompt_ids, body_params, max_tokens=max_tokens, media=media
+    )
+    state.jobs[request_id] = job
+    return job
+
+
+@router.post("/inference/v1/generate")
+async def generate(
+    body: GenerateRequest,
+    request: Request,
+    state: StateDep,
+    runtime: RuntimeDep,
+) -> Response:
+    state.check_model(body.model)
+    request_id = request.headers.get("x-request-id") or body.request_id
+    if body.content_parts is not None or body.features is not None:
+        raise bad_request("this model takes no multimodal input", "content_parts")
+    job = start_job(state, runtime, request_id, body.token_ids, body.sampling_params)
+    if body.stream:
+        return StreamingResponse(
+            _stream(state, job, body),
+            media_type="text/event-stream",
+            headers={"X-Request-Id": request_id},
+        )
+    try:
+        results = await unless_disconnected(request, job.collect())
+    finally:
+        state.jobs.pop(request_id, None)
+    num_top = body.sampling_params.num_logprobs or 0
+    completion_tokens = sum(len(r.token_ids) for r in results)
+    return OrjsonResponse(
+        {
+            "request_id": request_id,
+            "model": state.served_name,
+            "created": int(time.time()),
+            "usage": _usage(len(body.token_ids), completion_tokens),
+            "choices": [_choice_json(result, num_top) for result in results],
+            "prompt_logprobs": prompt_logprobs_json(body.token_ids, job.prompt_logprobs),
+        },
+        headers={"X-Request-Id": request_id},
+    )
+
+
+@router.post("/abort_requests")
+async def abort_requests(
+    body: AbortRequest,
+    state: StateDep,
+    _: RuntimeDep,
+) -> Response:
+    aborted = []
+    for request_id in body.request_ids:
+        job = state.jobs.get(request_id)
+        if job is not None:
+            await job.abort()
+            aborted.append(request_id)
+    return OrjsonResponse({"aborted": aborted})
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _choice_json(result: ChoiceResult, num_top: int) -> dict[str, Any]:
+    return {
+        "index": result.index,
+        "token_ids": result.token_ids,
+        "logprobs": None
+        if result.logprobs is None
+        else token_logprobs_json(result.logprobs, num_top),
+        "finish_reason": result.finish_reason,
+    }
+
+
+async def _stream(
+    state: ServerState, job: GenerationJob, body: GenerateRequest
+) -> AsyncIterator[bytes]:
+    """SSE chunks; a disconnect cancels this generator, which aborts the job's engine requests."""
+    options = body.stream_options
+    include_usage = options is not None and options.include_usage
+    continuous = options is not None and options.continuous_usage_stats
+    num_top = body.sampling_params.num_logprobs or 0
+    wants_logprobs = body.sampling_params.num_logprobs is not None
+    prompt_tokens = len(body.token_ids)
+    completion_tokens = 0
+    try:
+        async for delta in job.deltas():
+            output = delta.output
+            completion_tokens += len(output.new_token_ids)
+            chunk: dict[str, Any] = {
+                "request_id": job.request_id,
+                "choices": [
+                    {
+                        "index": delta.index,
+                        "token_ids": output.new_token_ids,
+                        "logprobs": token_logprobs_json(output.logprobs or [], num_top)
+                        if wants_logprobs
+                        else None,
+                        "finish_reason": output.finish_reason,
+                    }
+                ],
+            }
+            if output.prompt_logprobs is not None:
+                chunk["prompt_logprobs"] = prompt_logprobs_json(
+                    body.token_ids, output.prompt_logprobs
+                )
+            if continuous:
+                chunk["usage"] = _usage(prompt_tokens, completion_tokens)
+            yield sse_event(chunk)
+        if include_usage:
+            yield sse_event(
+                {
+                    "request_id": job.request_id,
+                    "choices": [],
+                    "usage": _usage(prompt_tokens, completion_tokens),
+                }
+            )
+    except APIError as exc:
+        yield sse_event(error_body(exc.status, exc.message, exc.param))
+    except Exception:
+        yield sse_event(error_body(500, "Internal error while generating"))
+    finally:
+        state.jobs.pop(job.request_id, None)
+    yield SSE_DONE

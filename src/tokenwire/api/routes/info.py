@@ -1,0 +1,57 @@
+"""GET /v1/models, /health, /version, /metrics."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from tokenwire import __version__
+from tokenwire.api.errors import error_response
+from tokenwire.api.responses import OrjsonResponse
+from tokenwire.api.state import RuntimeDep, ServerState, StateDep
+
+router = APIRouter(tags=["info"])
+_STARTED = int(time.time())
+
+
+@router.get("/v1/models")
+async def list_models(
+    state: StateDep,
+    runtime: RuntimeDep,
+) -> Response:
+    root = state.settings.model
+    data = [
+        {
+            "id": name,
+            "object": "model",
+            "created": _STARTED,
+            "owned_by": "tokenwire",
+            "root": root,
+            "parent": None,
+            "max_model_len": runtime.max_model_len,
+        }
+        for name in state.settings.model_names
+    ]
+    return OrjsonResponse({"object": "list", "data": data})
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    state: ServerState = request.app.state.tokenwire
+    if state.shutting_down:
+        return error_response(503, "The server is shutting down")
+    if state.runtime is None:
+        return error_response(503, state.load_error or "The model is loading")
+    return Response(status_code=200)
+
+
+@router.get("/version")
+async def version() -> Response:
+    return OrjsonResponse({"version": __version__})
+
+
+@router.get("/metrics")
+async def metrics(state: StateDep) -> Response:
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

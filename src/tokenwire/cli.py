@@ -1,0 +1,71 @@
+"""The ``tokenwire`` command: ``prepare`` model assets, ``serve`` a model."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from tokenwire import __version__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from tokenwire.settings import add_serve_arguments, settings_from_args
+
+    parser = argparse.ArgumentParser(prog="tokenwire", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"tokenwire {__version__}")
+    commands = parser.add_subparsers(dest="command")
+    prepare = commands.add_parser("prepare", help="build a model asset and print its directory")
+    prepare.add_argument("name")
+    serve = commands.add_parser("serve", help="serve a model over HTTP")
+    add_serve_arguments(serve)
+    args = parser.parse_args(argv)
+
+    if args.command == "prepare":
+        return _prepare(args.name)
+    if args.command == "serve":
+        return _serve(settings_from_args(args))
+    parser.print_help()
+    return 2
+
+
+def _prepare(name: str) -> int:
+    from tokenwire import assets
+
+    if name not in assets.ASSET_NAMES:
+        print(
+            f"unknown asset {name!r}; choose one of: {', '.join(assets.ASSET_NAMES)}",
+            file=sys.stderr,
+        )
+        return 2
+    path = assets.prepare(name, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(path)
+    return 0
+
+
+def _serve(settings) -> int:
+    import uvicorn
+
+    from tokenwire.api.app import create_app
+
+    logging.basicConfig(
+        level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    app = create_app(settings)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        loop="uvloop",
+        http="httptools",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

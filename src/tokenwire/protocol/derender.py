@@ -1,0 +1,117 @@
+"""/v1/chat/completions/derender and /v1/completions/derender bodies.
+
+The generate response arrives as the client got it from /inference/v1/generate; logprob tokens
+may be ``"token_id:N"`` placeholders or vLLM's integer form ``{token_id, logprob, ...}``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from tokenwire.protocol.common import RequestModel
+from tokenwire.protocol.openai import MAX_TOP_LOGPROBS, ChatCompletionRequest, CompletionRequest
+
+_PLACEHOLDER = re.compile(r"token_id:(-?\d+)")
+
+
+def _token_id(value: Any) -> Any:
+    """``"token_id:N"`` -> N; other strings are left for the int validator to refuse."""
+    if isinstance(value, str):
+        match = _PLACEHOLDER.fullmatch(value)
+        if match is None:
+            raise ValueError(f"token must be 'token_id:N', got {value[:40]!r}")
+        return int(match.group(1))
+    return value
+
+
+class TopLogprobIn(RequestModel):
+    token_id: Annotated[int, Field(ge=0)]
+    logprob: float
+
+    @model_validator(mode="before")
+    @classmethod
+    def _placeholder(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "token_id" not in data and "token" in data:
+            return {**data, "token_id": _token_id(data["token"])}
+        return data
+
+
+class TokenLogprobIn(TopLogprobIn):
+    top_logprobs: list[TopLogprobIn] = Field(default_factory=list, max_length=MAX_TOP_LOGPROBS)
+
+
+class LogprobsIn(RequestModel):
+    content: list[TokenLogprobIn] | None = None
+
+
+class GenerateChoiceIn(RequestModel):
+    index: int = Field(default=0, ge=0)
+    token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    logprobs: LogprobsIn | None = None
+    finish_reason: str | None = None
+
+
+class GenerateResponseIn(RequestModel):
+    request_id: str = ""
+    model: str | None = None
+    created: int | None = None
+    choices: list[GenerateChoiceIn] = Field(min_length=1)
+    usage: dict[str, Any] | None = None
+
+    @field_validator("choices")
+    @classmethod
+    def _token_ids_present(cls, choices: list[GenerateChoiceIn]) -> list[GenerateChoiceIn]:
+        for position, choice in enumerate(choices):
+            if not choice.token_ids:
+                raise ValueError(f"choice {position} has empty or null token_ids")
+        return choices
+
+
+class GenerateChunkIn(RequestModel):
+    """One SSE chunk of /inference/v1/generate (stream=true)."""
+
+    request_id: str = ""
+    choices: list[GenerateChoiceIn] = Field(default_factory=list)
+    usage: dict[str, Any] | None = None
+
+
+class ChatDerenderRequest(RequestModel):
+    model: str | None = None
+    stream: Literal[False] = False
+    generate_response: GenerateResponseIn
+    prompt_tokens: int | None = Field(default=None, ge=0)
+    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    chat_request: ChatCompletionRequest | None = None
+
+
+class ChatDerenderStreamRequest(RequestModel):
+    model: str | None = None
+    stream: Literal[True]
+    generate_chunk: GenerateChunkIn
+    stream_state: str | None = None
+    prompt_tokens: int | None = Field(default=None, ge=0)
+    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    chat_request: ChatCompletionRequest | None = None
+
+
+class CompletionDerenderRequest(RequestModel):
+    model: str | None = None
+    stream: Literal[False] = False
+    generate_responses: list[GenerateResponseIn] = Field(min_length=1)
+    prompt_tokens: list[int] | None = None
+    prompt_token_ids: list[list[Annotated[int, Field(ge=0)]] | None] | None = None
+    completion_request: CompletionRequest | None = None
+
+    @model_validator(mode="after")
+    def _lengths_agree(self) -> CompletionDerenderRequest:
+        count = len(self.generate_responses)
+        for name in ("prompt_tokens", "prompt_token_ids"):
+            value = getattr(self, name)
+            if value is not None and len(value) != count:
+                raise ValueError(
+                    f"{name} length ({len(value)}) must equal generate_responses length ({count})"
+                )
+        return self

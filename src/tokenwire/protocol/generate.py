@@ -1,0 +1,170 @@
+"""/inference/v1/generate: vLLM's GenerateRequest and GenerateResponse shapes."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from tokenwire.protocol.common import RequestModel, StrictRequestModel
+
+CONTENT_PARTS_AND_FEATURES = "content_parts and features are mutually exclusive"
+
+# vLLM SamplingParams fields that tokenwire accepts and ignores: they change no token ids.
+NO_EFFECT_FIELDS = frozenset(
+    {
+        "skip_special_tokens",  # text only; generate returns ids
+        "spaces_between_special_tokens",  # text only
+        "include_stop_str_in_output",  # text only; the stop token is always in token_ids
+        "output_kind",  # tokenwire always streams deltas and returns the final result
+        "flat_logprobs",  # a vLLM-internal container choice
+        "routed_experts_prompt_start",  # MoE routing capture; the hf engine has no experts
+        "return_routed_experts",
+        "skip_reading_prefix_cache",  # no prefix cache in the hf engine
+        "extra_args",  # custom logits processors' arguments; none are installed
+        "truncate_prompt_tokens",
+        "best_of",
+        "repetition_detection",
+        "thinking_token_budget",
+    }
+)
+# Fields that would change the tokens but that tokenwire does not implement: refused, not
+# silently ignored, when set to anything but their "off" value.
+UNSUPPORTED_FIELDS = (
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "logits_processors",
+    "structured_outputs",
+    "guided_decoding",
+    "logprob_token_ids",
+)
+
+
+class SamplingParamsModel(StrictRequestModel):
+    """vLLM's SamplingParams as JSON. Unknown fields are a 400 (a typo must not pass silently)."""
+
+    n: int = Field(default=1, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    seed: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    min_tokens: int = Field(default=0, ge=0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = Field(default=None, ge=-1)
+    prompt_logprobs: int | None = Field(default=None, ge=-1)
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs", "raw", "processed"] = (
+        "raw_logprobs"
+    )
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    detokenize: bool = True
+    # Accepted for compatibility; see NO_EFFECT_FIELDS.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: int | str | None = None
+    flat_logprobs: bool = False
+    routed_experts_prompt_start: int | None = None
+    return_routed_experts: bool | None = None
+    skip_reading_prefix_cache: bool | None = None
+    extra_args: dict[str, Any] | None = None
+    truncate_prompt_tokens: int | None = None
+    best_of: int | None = None
+    repetition_detection: Any = None
+    thinking_token_budget: int | None = None
+    # Refused when set; see UNSUPPORTED_FIELDS.
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logits_processors: list[Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_decoding: dict[str, Any] | None = None
+    logprob_token_ids: list[int] | None = None
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_minus_one_is_none(cls, value: int | None) -> int | None:
+        return None if value == -1 else value
+
+    @model_validator(mode="after")
+    def _check(self) -> SamplingParamsModel:
+        for name in UNSUPPORTED_FIELDS:
+            if getattr(self, name):
+                raise ValueError(f"{name} is not supported by tokenwire")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are not supported when detokenize is False")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must be less than or equal to max_tokens")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """-1 means the whole vocabulary in vLLM; tokenwire caps it at 20 like OpenAI."""
+        return None if self.logprobs is None else (20 if self.logprobs < 0 else self.logprobs)
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        if self.prompt_logprobs is None:
+            return None
+        return 20 if self.prompt_logprobs < 0 else self.prompt_logprobs
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = True
+    continuous_usage_stats: bool = False
+
+
+class PlaceholderRange(RequestModel):
+    offset: int = Field(ge=0)
+    length: int = Field(ge=1)
+
+
+class MultiModalFeatures(RequestModel):
+    mm_hashes: dict[str, list[str]]
+    mm_placeholders: dict[str, list[PlaceholderRange]]
+    kwargs_data: dict[str, list[str | None]] | None = None
+
+
+class ContentPart(RequestModel):
+    type: Literal["image_url", "audio_url", "video_url"]
+    url: str | None = None
+    uuid: str | None = None
+
+    @model_validator(mode="after")
+    def _needs_url_or_uuid(self) -> ContentPart:
+        if self.url is None and self.uuid is None:
+            raise ValueError("a content part needs a url or a uuid")
+        return self
+
+
+class GenerateRequest(RequestModel):
+    request_id: str = Field(default_factory=lambda: uuid.uuid4().hex, max_length=256)
+    token_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    sampling_params: SamplingParamsModel
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    features: MultiModalFeatures | None = None
+    content_parts: list[ContentPart] | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _media_one_way(self) -> GenerateRequest:
+        if self.content_parts is not None and self.features is not None:
+            raise ValueError(CONTENT_PARTS_AND_FEATURES)
+        return self

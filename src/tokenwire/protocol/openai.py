@@ -1,0 +1,133 @@
+"""OpenAI ChatCompletionRequest and CompletionRequest, with vLLM's extra sampling fields."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from tokenwire.protocol.common import RequestModel
+from tokenwire.protocol.generate import SamplingParamsModel, StreamOptions
+from tokenwire.protocol.tokenize import ChatTemplateOptions
+
+MAX_TOP_LOGPROBS = 20
+
+
+class SamplingFields(RequestModel):
+    """Sampling fields shared by chat and completion requests."""
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    seed: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    min_tokens: int = Field(default=0, ge=0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    prompt_logprobs: int | None = Field(default=None, ge=-1)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    request_id: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def sampling_params(self, *, max_tokens: int, logprobs: int | None) -> SamplingParamsModel:
+        """The generate schema's sampling_params for this request."""
+        values: dict[str, Any] = {
+            "n": self.n,
+            "max_tokens": max_tokens,
+            "min_tokens": self.min_tokens,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
+            "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "logit_bias": self.logit_bias,
+        }
+        optional = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        values.update({k: v for k, v in optional.items() if v is not None})
+        return SamplingParamsModel(**values)
+
+
+class ChatCompletionRequest(ChatTemplateOptions, SamplingFields):
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
+    user: str | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+
+Prompt = (
+    str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
+)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    add_special_tokens: bool = True
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _non_empty_prompt(self) -> CompletionRequest:
+        if isinstance(self.prompt, list) and (
+            not self.prompt or any(isinstance(p, list) and not p for p in self.prompt)
+        ):
+            raise ValueError("prompt must not be empty")
+        if self.echo:
+            raise ValueError("echo is not supported by tokenwire")
+        if self.suffix:
+            raise ValueError("suffix is not supported by tokenwire")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request, text or ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]

@@ -1,0 +1,142 @@
+"""Server settings: parsed once from flags and ``TOKENWIRE_*`` variables into one typed object.
+
+Everything below the CLI receives a ``Settings`` (or the part of it it needs); nothing reads flags
+or the environment on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    model: str = DEFAULT_MODEL
+    served_model_name: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_model_len: int | None = None
+    chat_template: Path | None = None
+    api_key: str | None = None
+    trust_request_chat_template: bool = False
+    max_request_bytes: int = 64 * 2**20
+    log_level: str = "info"
+    max_num_seqs: int = 64
+    max_n: int = 16
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    allowed_media_domains: tuple[str, ...] | None = None
+    allow_private_media_networks: bool = False
+    media_allow_redirects: bool = False
+    max_media_bytes: int = 20 * 2**20
+    media_timeout_s: float = 10.0
+    allowed_local_media_path: Path | None = None
+    media_cache_bytes: int = 512 * 2**20
+    device: str | None = None
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names clients may use; the first is reported as the model's name."""
+        if self.served_model_name:
+            return self.served_model_name
+        return (self.model,)
+
+
+def _env(name: str) -> str | None:
+    return os.environ.get(f"TOKENWIRE_{name.upper()}")
+
+
+def _env_bool(name: str) -> bool:
+    value = _env(name)
+    return value is not None and value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM-style flags; each default may come from ``TOKENWIRE_<FLAG>``."""
+    d = Settings()
+    add = parser.add_argument
+
+    def env_or(name: str, default: object) -> object:
+        value = _env(name)
+        return default if value is None else value
+
+    add("--model", default=env_or("model", d.model), help="HF dir, GGUF file or asset name")
+    add("--served-model-name", nargs="+", default=_split(_env("served_model_name")))
+    add("--host", default=env_or("host", d.host))
+    add("--port", type=int, default=env_or("port", d.port))
+    add("--max-model-len", type=int, default=env_or("max_model_len", None))
+    add("--chat-template", type=Path, default=env_or("chat_template", None))
+    add("--api-key", default=env_or("api_key", None))
+    add(
+        "--trust-request-chat-template",
+        action="store_true",
+        default=_env_bool("trust_request_chat_template"),
+    )
+    add("--max-request-bytes", type=int, default=env_or("max_request_bytes", d.max_request_bytes))
+    add(
+        "--log-level",
+        default=env_or("log_level", d.log_level),
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    add("--max-num-seqs", type=int, default=env_or("max_num_seqs", d.max_num_seqs))
+    add("--max-n", type=int, default=env_or("max_n", d.max_n), help="largest n per request")
+    add("--reasoning-parser", default=env_or("reasoning_parser", None))
+    add("--tool-call-parser", default=env_or("tool_call_parser", None))
+    add(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        default=_env_bool("enable_auto_tool_choice"),
+    )
+    add("--allowed-media-domains", nargs="+", default=_split(_env("allowed_media_domains")))
+    add(
+        "--allow-private-media-networks",
+        action="store_true",
+        default=_env_bool("allow_private_media_networks"),
+    )
+    add("--media-allow-redirects", action="store_true", default=_env_bool("media_allow_redirects"))
+    add("--max-media-bytes", type=int, default=env_or("max_media_bytes", d.max_media_bytes))
+    add("--media-timeout-s", type=float, default=env_or("media_timeout_s", d.media_timeout_s))
+    add("--allowed-local-media-path", type=Path, default=env_or("allowed_local_media_path", None))
+    add("--media-cache-bytes", type=int, default=env_or("media_cache_bytes", d.media_cache_bytes))
+    add("--device", default=env_or("device", None), help="cpu or cuda (default: cuda if present)")
+
+
+def _split(value: str | None) -> list[str] | None:
+    return value.split(",") if value else None
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    values = {f.name: getattr(args, f.name) for f in fields(Settings) if hasattr(args, f.name)}
+    for name in ("served_model_name", "allowed_media_domains"):
+        if values.get(name) is not None:
+            values[name] = tuple(values[name])
+    values["served_model_name"] = values.get("served_model_name") or ()
+    for name in (
+        "port",
+        "max_model_len",
+        "max_request_bytes",
+        "max_num_seqs",
+        "max_n",
+        "max_media_bytes",
+        "media_cache_bytes",
+    ):
+        if values.get(name) is not None:
+            values[name] = int(values[name])
+    values["media_timeout_s"] = float(values["media_timeout_s"])
+    for name in ("chat_template", "allowed_local_media_path"):
+        if values.get(name) is not None:
+            values[name] = Path(values[name])
+    return Settings(**values)
+
+
+def parse_serve_args(argv: Sequence[str] | None = None) -> Settings:
+    parser = argparse.ArgumentParser(prog="tokenwire serve")
+    add_serve_arguments(parser)
+    return settings_from_args(parser.parse_args(argv))

@@ -1,0 +1,149 @@
+"""Session-wide fixtures: each model's real server starts once, on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+API_KEY = "test-secret-key"
+SERVER_START_TIMEOUT_S = 900  # the first run builds the model assets
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """A ``tokenwire serve`` subprocess; its log goes to a file shown when start-up fails."""
+
+    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log_path = log_path
+        command = [sys.executable, "-m", "tokenwire.cli", "serve", "--port", str(self.port), *args]
+        if api_key:
+            command += ["--api-key", api_key]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited:\n{self.log_path.read_text()[-5000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"server not ready in time:\n{self.log_path.read_text()[-5000:]}")
+
+    def client(self, **kwargs: object) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=120, **kwargs)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+
+
+def _start(
+    tmp_path_factory: pytest.TempPathFactory, name: str, args: list[str], api_key: str | None = None
+) -> Iterator[Server]:
+    server = Server(args, tmp_path_factory.mktemp(name) / "server.log", api_key=api_key)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The embedded default, started with no arguments but the port."""
+    yield from _start(tmp_path_factory, "smollm2", [])
+
+
+@pytest.fixture(scope="session")
+def qwen3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Qwen3 tokenizer and template with parsers, an API key and trusted request templates."""
+    args = [
+        "--model",
+        "qwen3-tiny",
+        "--served-model-name",
+        "qwen3-tiny",
+        "qwen3-alias",
+        "--trust-request-chat-template",
+        "--reasoning-parser",
+        "qwen3",
+        "--tool-call-parser",
+        "hermes",
+        "--enable-auto-tool-choice",
+        "--max-request-bytes",
+        str(4 * 2**20),
+        "--max-model-len",
+        "4096",
+    ]
+    yield from _start(tmp_path_factory, "qwen3", args, api_key=API_KEY)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_server: Server) -> Iterator[httpx.Client]:
+    with smollm2_server.client() as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def qwen3(qwen3_server: Server) -> Iterator[httpx.Client]:
+    with qwen3_server.client() as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir() -> Path:
+    from tokenwire.assets import prepare
+
+    return prepare("qwen3-tiny")
+
+
+@pytest.fixture(scope="session")
+def qwen3_hf_tokenizer(qwen3_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(qwen3_dir))
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_models() -> Path:
+    from tokenwire.assets import llama_cpp_models_dir
+
+    return llama_cpp_models_dir()
+
+
+def assert_error(response: httpx.Response, status: int, message_part: str | None = None) -> dict:
+    """Every error has the same body; check the status, type and (part of) the message."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    error = body["error"]
+    assert error["code"] == status
+    assert isinstance(error["type"], str) and error["type"]
+    if message_part is not None:
+        assert message_part in error["message"], error["message"]
+    return error
