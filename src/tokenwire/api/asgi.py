@@ -38,8 +38,11 @@ class RequestIdMiddleware:
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (REQUEST_ID_HEADER, request_id)]
+                headers = list(message.get("headers", []))
+                # A route that resolved its own id (e.g. from the body) has set it already.
+                if all(key.lower() != REQUEST_ID_HEADER for key, _ in headers):
+                    headers.append((REQUEST_ID_HEADER, request_id))
+                message["headers"] = headers
             await send(message)
 
         await self.app(scope, receive, send_with_id)
