@@ -16,7 +16,7 @@ from tokenwire import __version__
 from tokenwire.api.asgi import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from tokenwire.api.errors import install_error_handlers
 from tokenwire.api.metrics import Metrics, MetricsMiddleware
-from tokenwire.api.routes import generate, info, render, tokenize
+from tokenwire.api.routes import derender, generate, info, openai, render, tokenize
 from tokenwire.api.state import ModelRuntime, ServerState
 from tokenwire.engine.hf import HFEngine
 from tokenwire.model_source import resolve_model_dir
@@ -55,6 +55,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(tokenize.router)
     app.include_router(render.router)
     app.include_router(generate.router)
+    app.include_router(derender.router)
+    app.include_router(openai.router)
     # Outermost last: ids on every response, then metrics, auth, and the body limit.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key:
@@ -89,6 +91,7 @@ async def _load_runtime(state: ServerState) -> None:
         chat_template=chat_template,
         engine=engine,
         max_model_len=engine.max_model_len,
+        eos_token_ids=frozenset(engine.eos_token_ids),
     )
     logger.info(
         "model %s ready from %s (max_model_len=%d)",

@@ -27,6 +27,8 @@ class ModelRuntime:
     chat_template: ChatTemplate | None
     engine: Engine
     max_model_len: int
+    # Ids that end a choice on their own (eos); never part of the text a client reads.
+    eos_token_ids: frozenset[int]
 
 
 @dataclass(slots=True)

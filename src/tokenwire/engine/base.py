@@ -77,6 +77,7 @@ class Engine(Protocol):
     model_name: str
     max_model_len: int
     vocab_size: int
+    eos_token_ids: tuple[int, ...]  # known once started
 
     async def start(self) -> None: ...
 

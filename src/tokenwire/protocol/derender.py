@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from tokenwire.protocol.common import RequestModel
 from tokenwire.protocol.openai import MAX_TOP_LOGPROBS, ChatCompletionRequest, CompletionRequest
@@ -115,3 +115,14 @@ class CompletionDerenderRequest(RequestModel):
                     f"{name} length ({len(value)}) must equal generate_responses length ({count})"
                 )
         return self
+
+
+def _derender_form(body: Any) -> str:
+    return "stream" if isinstance(body, dict) and body.get("stream") is True else "whole"
+
+
+ChatDerenderBody = Annotated[
+    Annotated[ChatDerenderRequest, Tag("whole")]
+    | Annotated[ChatDerenderStreamRequest, Tag("stream")],
+    Discriminator(_derender_form),
+]
