@@ -1,0 +1,329 @@
+"""Per-request sampling and logprobs for a batch of next-token logits, vLLM semantics.
+
+Order (as in vLLM): raw logprobs are taken from the model's logits first; then repetition /
+frequency / presence penalties, min_tokens suppression of stop tokens; greedy rows take the argmax
+there; sampled rows go through temperature, min_p, top_k, top_p and one uniform draw.
+
+Why the candidate set: on CPU a full sort of [32, 49152] logits and ``torch.multinomial`` cost
+about as much as the forward itself. top_k / top_p / min_p are instead applied to the
+``topk(256)`` candidates of each row, which is exact whenever the kept set lies inside them (top_k
+<= 256, min_p cuts inside, or the candidates hold the top_p mass); rows not covered try
+``topk(2048)``, then a full sort. Pure temperature sampling (+ min_p) needs no sort at all: inverse
+CDF in vocabulary order.
+
+Why one uniform per step from a per-request ``torch.Generator``: the draw for a request's n-th
+token depends only on its seed, so a seeded request is reproducible whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenwire.engine.base import SamplingParams, TokenLogprob
+
+# Candidate-set sizes tried in turn before a full sort (the first covers nearly every row).
+CANDIDATE_TIERS = (256, 2048)
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class RowSampler:
+    """A request's sampling state: its generator, penalty bookkeeping and output length so far.
+
+    Penalty state is sparse (the ids seen, the output counts) so that applying it touches only
+    those ids: small tensor ops stay single-threaded, where [V]-wide ops on a busy 2-core machine
+    each paid an OpenMP wake-up.
+    """
+
+    params: SamplingParams
+    stop_ids: tuple[int, ...]  # ids suppressed until min_tokens (stop_token_ids + eos)
+    generator: torch.Generator
+    vocab_size: int
+    device: torch.device
+    seen: set[int] | None = None  # prompt + output ids (repetition penalty)
+    counts: dict[int, int] | None = None  # output id counts (frequency/presence)
+    num_output: int = 0
+    _seen_ids: torch.Tensor | None = None
+    _count_ids: torch.Tensor | None = None
+    _count_vals: torch.Tensor | None = None
+
+    @classmethod
+    def create(
+        cls,
+        params: SamplingParams,
+        prompt_ids: list[int],
+        stop_ids: tuple[int, ...],
+        vocab_size: int,
+        device: torch.device,
+    ) -> RowSampler:
+        """Build the state; unseeded requests get a generator seeded from os randomness."""
+        gen = torch.Generator(device="cpu")
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        gen.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+        seen = set(prompt_ids) if params.repetition_penalty != 1.0 else None
+        penalized = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+        stops = tuple(i for i in stop_ids if 0 <= i < vocab_size)
+        return cls(params, stops, gen, vocab_size, device, seen, {} if penalized else None)
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature < _GREEDY_EPS
+
+    @property
+    def needs_processing(self) -> bool:
+        """Whether logits change before greedy/temperature (penalties or min_tokens)."""
+        return (
+            self.seen is not None
+            or bool(self.counts)
+            or (self.num_output < self.params.min_tokens and bool(self.stop_ids))
+        )
+
+    def record(self, token_id: int) -> None:
+        """Account for a sampled token (penalty state, min_tokens)."""
+        self.num_output += 1
+        if self.seen is not None and token_id not in self.seen:
+            self.seen.add(token_id)
+            self._seen_ids = None
+        if self.counts is not None:
+            self.counts[token_id] = self.counts.get(token_id, 0) + 1
+            self._count_ids = None
+
+    def apply_penalties(self, logits: torch.Tensor) -> None:
+        """Penalties (vLLM/HF semantics) and min_tokens suppression on one row, in place."""
+        p = self.params
+        if self.seen is not None:
+            if self._seen_ids is None:
+                self._seen_ids = torch.tensor(sorted(self.seen), device=self.device)
+            vals = logits[self._seen_ids]
+            logits[self._seen_ids] = torch.where(
+                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+            )
+        if self.counts:
+            if self._count_ids is None:
+                ids = sorted(self.counts)
+                self._count_ids = torch.tensor(ids, device=self.device)
+                self._count_vals = torch.tensor(
+                    [float(self.counts[i]) for i in ids], device=self.device
+                )
+            assert self._count_vals is not None
+            logits[self._count_ids] -= (
+                p.frequency_penalty * self._count_vals + p.presence_penalty
+            ).to(logits.dtype)
+        if self.num_output < p.min_tokens and self.stop_ids:
+            logits[list(self.stop_ids)] = float("-inf")
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+
+
+def sample(logits: torch.Tensor, rows: list[RowSampler]) -> SampleResult:
+    """Pick one token per row of ``logits`` [B, V] (fp32) and compute the requested logprobs."""
+    b = logits.shape[0]
+    device = logits.device
+    processed = logits
+    if any(r.needs_processing for r in rows):
+        processed = logits.clone()
+        for i, r in enumerate(rows):
+            if r.needs_processing:
+                r.apply_penalties(processed[i])
+
+    tokens = torch.empty(b, dtype=torch.long, device=device)
+    # Per-row distribution that "processed_logprobs" reports; filled only where requested.
+    final: dict[int, torch.Tensor] = {}
+    wants_processed = [
+        r.params.logprobs is not None and r.params.logprobs_mode == "processed_logprobs"
+        for r in rows
+    ]
+
+    greedy = [i for i, r in enumerate(rows) if r.greedy]
+    if greedy:
+        gi = torch.tensor(greedy, device=device)
+        tokens[gi] = processed[gi].argmax(dim=-1)
+        for i in greedy:
+            if wants_processed[i]:
+                final[i] = processed[i]
+
+    sampled = [i for i, r in enumerate(rows) if not r.greedy]
+    if sampled:
+        _sample_rows(processed, rows, sampled, tokens, final, wants_processed)
+
+    token_list = tokens.tolist()
+    result = SampleResult(token_ids=token_list, logprobs=[None] * b)
+    lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if lp_rows:
+        sources = [final[i] if wants_processed[i] else logits[i] for i in lp_rows]
+        ks = [rows[i].params.logprobs or 0 for i in lp_rows]
+        chosen = [token_list[i] for i in lp_rows]
+        for i, tl in zip(lp_rows, token_logprobs(torch.stack(sources), chosen, ks), strict=True):
+            result.logprobs[i] = tl
+    return result
+
+
+@dataclass(slots=True)
+class _Scaled:
+    """The non-greedy rows of one step after temperature, with their draws."""
+
+    logits: torch.Tensor  # [S, V] processed logits / temperature
+    u: torch.Tensor  # [S] float64 uniform draws
+    log_min_p: torch.Tensor  # [S] log(min_p), -inf when off
+    params: list[SamplingParams]
+    batch_rows: list[int]  # S -> row in the batch
+    tokens: torch.Tensor  # [B] output, written in place
+    final: dict[int, torch.Tensor]  # batch row -> filtered logits, for processed logprobs
+    wants_processed: list[bool]  # per batch row
+
+    def emit(self, sel: list[int], chosen: torch.Tensor) -> None:
+        rows = torch.tensor([self.batch_rows[j] for j in sel], device=self.tokens.device)
+        self.tokens[rows] = chosen
+
+
+def _sample_rows(
+    processed: torch.Tensor,
+    rows: list[RowSampler],
+    idx: list[int],
+    tokens: torch.Tensor,
+    final: dict[int, torch.Tensor],
+    wants_processed: list[bool],
+) -> None:
+    """Temperature, min_p, top_k, top_p and the draw for the non-greedy rows ``idx``."""
+    device = processed.device
+    vocab = processed.shape[-1]
+    params = [rows[i].params for i in idx]
+    temp = torch.tensor([p.temperature for p in params], device=device)
+    draws = [torch.rand(1, generator=rows[i].generator, dtype=torch.float64).item() for i in idx]
+    ctx = _Scaled(
+        logits=processed[torch.tensor(idx, device=device)] / temp.unsqueeze(1),
+        u=torch.tensor(draws, dtype=torch.float64, device=device),
+        log_min_p=torch.tensor(
+            [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], device=device
+        ),
+        params=params,
+        batch_rows=idx,
+        tokens=tokens,
+        final=final,
+        wants_processed=wants_processed,
+    )
+    unfiltered = [_top_k(p, vocab) == 0 and p.top_p >= 1.0 for p in params]
+    full = [j for j, f in enumerate(unfiltered) if f]
+    if full:
+        _sample_vocab_order(ctx, full)
+    pending = [j for j, f in enumerate(unfiltered) if not f]
+    for tier in CANDIDATE_TIERS:
+        if not pending:
+            break
+        pending = _sample_candidates(ctx, pending, min(tier, vocab))
+    if pending:
+        _sample_candidates(ctx, pending, vocab)
+
+
+def _top_k(p: SamplingParams, vocab: int) -> int:
+    """top_k with every "off" spelling (0, -1, >= vocab) mapped to 0."""
+    return p.top_k if 0 < p.top_k < vocab else 0
+
+
+def _sample_vocab_order(ctx: _Scaled, sel: list[int]) -> None:
+    """Rows with neither top_k nor top_p: inverse CDF in vocabulary order (no sort, no topk)."""
+    device = ctx.logits.device
+    js = torch.tensor(sel, device=device)
+    logits = ctx.logits[js]
+    if bool(torch.isfinite(ctx.log_min_p[js]).any()):
+        threshold = logits.amax(dim=-1, keepdim=True) + ctx.log_min_p[js].unsqueeze(1)
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    cum = probs.cumsum(dim=-1, dtype=torch.float64)
+    target = (ctx.u[js] * cum[:, -1]).unsqueeze(1)
+    pick = torch.searchsorted(cum, target, right=True).clamp_(max=probs.shape[-1] - 1)
+    landed = probs.gather(1, pick).squeeze(1)
+    pick = pick.squeeze(1)
+    for r in (landed == 0).nonzero().flatten().tolist():  # rounding past the last kept token
+        pick[r] = probs[r].nonzero()[-1, 0]
+    ctx.emit(sel, pick)
+    for r, j in enumerate(sel):
+        if ctx.wants_processed[ctx.batch_rows[j]]:
+            ctx.final[ctx.batch_rows[j]] = logits[r]
+
+
+def _sample_candidates(ctx: _Scaled, sel: list[int], kk: int) -> list[int]:
+    """Rows with top_k or top_p, filtered on their ``topk(kk)``; returns the rows not covered.
+
+    A row is covered when its kept set provably lies inside the candidates: top_k <= kk, min_p
+    cuts inside them, they hold the top_p mass, or kk is the whole vocabulary.
+    """
+    device = ctx.logits.device
+    vocab = ctx.logits.shape[-1]
+    js = torch.tensor(sel, device=device)
+    logits = ctx.logits[js]
+    params = [ctx.params[j] for j in sel]
+    top_k = [_top_k(p, vocab) for p in params]
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device)
+    k_lim = torch.tensor([k if 0 < k <= kk else kk for k in top_k], device=device).unsqueeze(1)
+
+    cand_vals, cand_ids = torch.topk(logits, kk, dim=-1)
+    threshold = cand_vals[:, :1] + ctx.log_min_p[js].unsqueeze(1)  # min_p: p >= min_p * p_max
+    keep = (cand_vals >= threshold) & (torch.arange(kk, device=device).unsqueeze(0) < k_lim)
+    # Without top_k, a row whose min_p survivors reach past the candidates needs the full Z.
+    topk_active = torch.tensor([0 < k <= kk for k in top_k], device=device)
+    open_tail = ~topk_active & keep[:, -1]
+    masked = cand_vals.masked_fill(~keep, float("-inf"))
+    log_z = torch.logsumexp(masked, dim=-1)
+    if kk < vocab and bool(open_tail.any()):
+        full_z = torch.logsumexp(logits.masked_fill(logits < threshold, float("-inf")), dim=-1)
+        log_z = torch.where(open_tail, full_z, log_z)
+    probs = torch.exp((masked - log_z.unsqueeze(1)).double())
+    cum = probs.cumsum(dim=-1)
+    keep &= (cum - probs) < top_p.unsqueeze(1)  # vLLM: drop the tail whose mass is <= 1 - top_p
+    if kk >= vocab:
+        covered = [True] * len(sel)
+    else:
+        fits = torch.tensor([k <= kk for k in top_k], device=device)
+        covered = ((~open_tail | (cum[:, -1] >= top_p)) & fits).tolist()
+
+    kept_cum = (probs * keep).cumsum(dim=-1)
+    target = (ctx.u[js] * kept_cum[:, -1]).unsqueeze(1)
+    pick = torch.searchsorted(kept_cum, target, right=True).squeeze(1)
+    pick = torch.minimum(pick, keep.sum(dim=-1) - 1)  # the kept set is a prefix
+    chosen = cand_ids.gather(1, pick.unsqueeze(1)).squeeze(1)
+    done = [r for r, ok in enumerate(covered) if ok]
+    if done:
+        ctx.emit([sel[r] for r in done], chosen[torch.tensor(done, device=device)])
+    for r in done:
+        i = ctx.batch_rows[sel[r]]
+        if ctx.wants_processed[i]:
+            row = torch.full_like(logits[r], float("-inf"))
+            row[cand_ids[r][keep[r]]] = cand_vals[r][keep[r]]
+            ctx.final[i] = row
+    return [sel[r] for r, ok in enumerate(covered) if not ok]
+
+
+def token_logprobs(logits: torch.Tensor, chosen: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """Logprob, rank and top-k of ``chosen`` for each row of ``logits`` [R, V] (log_softmax, fp32).
+
+    rank = 1 + the number of tokens with a strictly higher logprob.
+    """
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(chosen, device=lp.device).unsqueeze(1)
+    chosen_lp = lp.gather(1, ids)
+    ranks = ((lp > chosen_lp).sum(dim=-1) + 1).tolist()
+    chosen_l = chosen_lp.squeeze(1).tolist()
+    kmax = min(max(ks), lp.shape[-1]) if ks else 0
+    top_v: list[list[float]] = [[] for _ in chosen]
+    top_i: list[list[int]] = [[] for _ in chosen]
+    if kmax > 0:
+        tv, ti = torch.topk(lp, kmax, dim=-1)
+        top_v, top_i = tv.tolist(), ti.tolist()
+    return [
+        TokenLogprob(
+            token_id=tok,
+            logprob=lp_val,
+            rank=rank,
+            top=tuple(zip(top_i[j][:k], top_v[j][:k], strict=True)),
+        )
+        for j, (tok, lp_val, rank, k) in enumerate(zip(chosen, chosen_l, ranks, ks, strict=True))
+    ]

@@ -1,0 +1,584 @@
+"""The hf engine in-process on real models: outputs, logprob parity, batching, aborts, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tokenwire.assets import prepare
+from tokenwire.engine.base import EngineError, SamplingParams, TokenLogprob
+from tokenwire.engine.hf import HFEngine
+from tokenwire.engine.sampling import RowSampler, sample
+
+FRANCE = "What is the capital of France?"
+
+
+@dataclass
+class Result:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    finish: str | None = None
+    outputs: int = 0
+
+
+async def collect(engine: HFEngine, rid: str, prompt: list[int], sp: SamplingParams) -> Result:
+    res = Result()
+    async for out in engine.generate(rid, prompt, sp):
+        res.outputs += 1
+        res.tokens += out.new_token_ids
+        res.logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            res.prompt_logprobs = out.prompt_logprobs
+            assert out.num_prompt_tokens == len(prompt)
+        res.finish = out.finish_reason
+    return res
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="module")
+def smol_dir() -> Path:
+    return Path(prepare("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smol_dir: Path) -> AutoTokenizer:
+    return AutoTokenizer.from_pretrained(smol_dir)
+
+
+@pytest.fixture(scope="module")
+def ref_model(smol_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(smol_dir: Path) -> Iterator[HFEngine]:
+    eng = HFEngine(smol_dir, max_num_seqs=16, device="cpu")
+    run(eng.start())
+    yield eng
+    run(eng.shutdown())
+
+
+@pytest.fixture(scope="module")
+def tiny_engine() -> Iterator[HFEngine]:
+    """qwen3-tiny (random weights, flat distributions) with only two slots: queueing."""
+    eng = HFEngine(Path(prepare("qwen3-tiny")), max_num_seqs=2, device="cpu")
+    run(eng.start())
+    yield eng
+    run(eng.shutdown())
+
+
+def chat(tokenizer: AutoTokenizer, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+@torch.inference_mode()
+def full_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """log_softmax of one plain forward over ``ids``: row t predicts ids[t + 1]."""
+    logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def assert_parity(model: torch.nn.Module, prompt: list[int], res: Result, k: int) -> None:
+    """Each logprob equals one full forward of prompt + output within 1e-4; top-k sorted."""
+    lp = full_logprobs(model, prompt + res.tokens[:-1])
+    assert len(res.logprobs) == len(res.tokens)
+    for j, (tok, tl) in enumerate(zip(res.tokens, res.logprobs, strict=True)):
+        row = lp[len(prompt) - 1 + j]
+        assert tl.token_id == tok
+        assert abs(tl.logprob - float(row[tok])) < 1e-4
+        higher = int((row > tl.logprob + 1e-4).sum())
+        near = int((row > tl.logprob - 1e-4).sum())
+        assert higher + 1 <= tl.rank <= near
+        assert len(tl.top) == k
+        values = [v for _, v in tl.top]
+        assert values == sorted(values, reverse=True)
+        ref_v, _ = torch.topk(row, k)
+        for (tid, v), rv in zip(tl.top, ref_v.tolist(), strict=True):
+            assert abs(v - rv) < 1e-4
+            assert abs(float(row[tid]) - v) < 1e-4
+
+
+def test_greedy_matches_hf_generate(
+    engine: HFEngine, tokenizer: AutoTokenizer, ref_model: torch.nn.Module
+) -> None:
+    prompt = chat(tokenizer, FRANCE)
+    res = run(collect(engine, "greedy", prompt, SamplingParams(max_tokens=24, temperature=0)))
+    assert (
+        tokenizer.decode(res.tokens, skip_special_tokens=True) == "The capital of France is Paris."
+    )
+    assert res.finish == "stop" and res.tokens[-1] == 2  # eos is part of the returned ids
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        ref = ref_model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False
+        )
+    assert res.tokens == ref[0, len(prompt) :].tolist()
+
+
+def test_logprobs_trainer_parity_with_mid_batch_joins(
+    engine: HFEngine, tokenizer: AutoTokenizer, ref_model: torch.nn.Module
+) -> None:
+    prompts = [
+        chat(tokenizer, "Write a haiku about autumn leaves."),
+        chat(tokenizer, FRANCE),
+        chat(tokenizer, "Explain in detail how a refrigerator keeps food cold, step by step."),
+    ]
+    params = [
+        SamplingParams(max_tokens=14, temperature=0, logprobs=5, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=7, logprobs=2),
+        SamplingParams(max_tokens=8, temperature=1.0, top_k=20, seed=3, logprobs=0),
+    ]
+
+    async def main() -> list[Result]:
+        first = Result()
+        started = asyncio.Event()
+
+        async def lead() -> Result:
+            async for out in engine.generate("par-0", prompts[0], params[0]):
+                first.tokens += out.new_token_ids
+                first.logprobs += out.logprobs or []
+                first.finish = out.finish_reason
+                if len(first.tokens) >= 3:
+                    started.set()
+            return first
+
+        task = asyncio.create_task(lead())
+        await started.wait()  # the others join a batch that is already decoding
+        others = await asyncio.gather(
+            collect(engine, "par-1", prompts[1], params[1]),
+            collect(engine, "par-2", prompts[2], params[2]),
+        )
+        return [await task, *others]
+
+    results = run(main())
+    for prompt, sp, res in zip(prompts, params, results, strict=True):
+        assert res.finish in ("stop", "length")
+        assert_parity(ref_model, prompt, res, sp.logprobs or 0)
+    assert all(tl.rank == 1 for tl in results[0].logprobs)  # greedy picks the argmax
+
+
+def test_prompt_logprobs_equal_full_forward(
+    engine: HFEngine, tokenizer: AutoTokenizer, ref_model: torch.nn.Module
+) -> None:
+    prompt = chat(tokenizer, FRANCE)
+    sp = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
+    res = run(collect(engine, "plp", prompt, sp))
+    plp = res.prompt_logprobs
+    assert plp is not None and len(plp) == len(prompt) and plp[0] is None
+    lp = full_logprobs(ref_model, prompt)
+    for t in range(1, len(prompt)):
+        entry = plp[t]
+        assert entry is not None and entry.token_id == prompt[t]
+        assert abs(entry.logprob - float(lp[t - 1, prompt[t]])) < 1e-4
+        assert len(entry.top) == 3
+        assert [i for i, _ in entry.top][:1] == [int(lp[t - 1].argmax())]
+
+
+SAMPLING_MIX = [
+    SamplingParams(max_tokens=8, temperature=0),
+    SamplingParams(max_tokens=8, temperature=0.7, seed=1),
+    SamplingParams(max_tokens=8, temperature=1.0, seed=2),
+    SamplingParams(max_tokens=8, temperature=1.3, top_p=0.9, seed=3),
+    SamplingParams(max_tokens=8, temperature=1.0, top_p=0.5, seed=4),
+    SamplingParams(max_tokens=8, temperature=0.8, top_k=5, seed=5),
+    SamplingParams(max_tokens=8, temperature=1.0, top_k=300, seed=6),  # > candidate set
+    SamplingParams(max_tokens=8, temperature=1.0, min_p=0.1, seed=7),
+    SamplingParams(max_tokens=8, temperature=1.2, min_p=0.02, top_p=0.95, top_k=40, seed=8),
+    SamplingParams(max_tokens=8, temperature=0.9, repetition_penalty=1.3, seed=9),
+    SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.5),
+    SamplingParams(max_tokens=8, temperature=1.0, frequency_penalty=0.8, seed=10),
+    SamplingParams(max_tokens=8, temperature=1.0, presence_penalty=1.0, top_p=0.8, seed=11),
+    SamplingParams(
+        max_tokens=8, temperature=0.8, seed=12, logprobs=3, logprobs_mode="processed_logprobs"
+    ),
+    SamplingParams(max_tokens=8, temperature=0.6, min_tokens=10, top_k=50, seed=13),
+    SamplingParams(max_tokens=8, temperature=2.0, seed=14),
+]
+
+
+def test_concurrent_mixed_sampling_equals_alone(engine: HFEngine, tokenizer: AutoTokenizer) -> None:
+    topics = ["rain", "chess", "volcanoes", "tea", "jazz", "rivers", "owls", "glass"]
+    prompts = [chat(tokenizer, f"Tell me something about {topics[i % 8]}.") for i in range(16)]
+    for i in range(0, 16, 2):  # vary lengths so rows are padded differently
+        prompts[i] = chat(tokenizer, f"In a few words and quite informally: why {topics[i // 2]}?")
+
+    async def alone() -> list[Result]:
+        return [
+            await collect(engine, f"alone-{i}", p, sp)
+            for i, (p, sp) in enumerate(zip(prompts, SAMPLING_MIX, strict=True))
+        ]
+
+    async def together() -> list[Result]:
+        first = [
+            asyncio.create_task(collect(engine, f"mix-{i}", prompts[i], SAMPLING_MIX[i]))
+            for i in range(8)
+        ]
+        while engine.stats().extra["steps"] < 3 and not all(t.done() for t in first):
+            await asyncio.sleep(0.01)  # the second half joins a decoding batch
+        second = [collect(engine, f"mix-{i}", prompts[i], SAMPLING_MIX[i]) for i in range(8, 16)]
+        return [*(await asyncio.gather(*first)), *(await asyncio.gather(*second))]
+
+    before = engine.stats().extra["steps"]
+    solo = run(alone())
+    mixed = run(together())
+    assert engine.stats().extra["steps"] > before
+    for i, (a, b) in enumerate(zip(solo, mixed, strict=True)):
+        assert a.tokens == b.tokens, f"request {i} ({SAMPLING_MIX[i]})"
+        assert a.finish == b.finish
+    assert len(solo[14].tokens) == 8  # min_tokens kept eos away
+    processed = solo[13].logprobs
+    assert len(processed) == len(solo[13].tokens) and all(tl.logprob <= 0 for tl in processed)
+
+
+def test_abort_by_id_keeps_partial_tokens_and_frees_slot(
+    engine: HFEngine, tokenizer: AutoTokenizer
+) -> None:
+    prompt = chat(tokenizer, FRANCE)
+
+    async def main() -> tuple[Result, bool]:
+        res = Result()
+        sp = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        async for out in engine.generate("to-abort", prompt, sp):
+            res.tokens += out.new_token_ids
+            res.finish = out.finish_reason
+            if len(res.tokens) == 3:
+                assert await engine.abort("to-abort")
+        return res, await engine.abort("to-abort")
+
+    res, again = run(main())
+    assert res.finish == "abort"
+    assert 3 <= len(res.tokens) < 200
+    assert res.tokens[:7] == [504, 3575, 282, 4649, 314, 7042, 30][: len(res.tokens[:7])]
+    assert not again  # the stream is over: nothing left to abort
+    assert engine.stats().running == 0 and engine.stats().waiting == 0
+
+
+def test_closing_the_stream_early_frees_the_slot(
+    engine: HFEngine, tokenizer: AutoTokenizer
+) -> None:
+    prompt = chat(tokenizer, FRANCE)
+
+    async def main() -> int:
+        stream = engine.generate(
+            "closed", prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        )
+        async for _ in stream:
+            break
+        await stream.aclose()
+        for _ in range(500):  # one decode step at most, even on a busy machine
+            if engine.stats().running == 0:
+                break
+            await asyncio.sleep(0.01)
+        return engine.stats().running
+
+    assert run(main()) == 0
+    # The id is free again.
+    res = run(collect(engine, "closed", prompt, SamplingParams(max_tokens=2, temperature=0)))
+    assert len(res.tokens) == 2
+
+
+def test_stop_conditions(engine: HFEngine, tokenizer: AutoTokenizer) -> None:
+    prompt = chat(tokenizer, FRANCE)
+    greedy = [504, 3575, 282, 4649, 314, 7042, 30, 2]  # "The capital of France is Paris."<eos>
+
+    async def main() -> list[Result]:
+        return list(
+            await asyncio.gather(
+                collect(
+                    engine,
+                    "stop-id",
+                    prompt,
+                    SamplingParams(max_tokens=20, temperature=0, stop_token_ids=(4649,)),
+                ),
+                collect(
+                    engine,
+                    "ignore-eos",
+                    prompt,
+                    SamplingParams(max_tokens=11, temperature=0, ignore_eos=True),
+                ),
+                collect(
+                    engine,
+                    "min-tokens",
+                    prompt,
+                    SamplingParams(max_tokens=12, temperature=0, min_tokens=10),
+                ),
+                collect(engine, "length", prompt, SamplingParams(max_tokens=3, temperature=0)),
+                collect(
+                    engine,
+                    "min-stop",
+                    prompt,
+                    SamplingParams(
+                        max_tokens=6, temperature=0, min_tokens=5, stop_token_ids=(4649,)
+                    ),
+                ),
+            )
+        )
+
+    stop_id, ignore_eos, min_tokens, length, min_stop = run(main())
+    assert stop_id.tokens == greedy[:4] and stop_id.finish == "stop"  # stop token included
+    assert ignore_eos.tokens[:8] == greedy and len(ignore_eos.tokens) == 11
+    assert ignore_eos.finish == "length"
+    assert len(min_tokens.tokens) >= 10 and 2 not in min_tokens.tokens[:10]
+    assert min_tokens.tokens[:7] == greedy[:7]
+    assert min_tokens.finish == ("stop" if min_tokens.tokens[-1] == 2 else "length")
+    assert length.tokens == greedy[:3] and length.finish == "length"
+    assert 4649 not in min_stop.tokens[:5] and min_stop.tokens[:3] == greedy[:3]
+
+
+def test_max_num_seqs_queues_fifo(tiny_engine: HFEngine) -> None:
+    prompts = [[100 + i, 200 + 7 * i, 300, 400 + i, 151644] for i in range(5)]
+    params = [
+        SamplingParams(max_tokens=6 + i, temperature=0.9, seed=i, ignore_eos=True) for i in range(5)
+    ]
+
+    async def alone() -> list[Result]:
+        return [
+            await collect(tiny_engine, f"q-alone-{i}", p, sp)
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+        ]
+
+    async def together() -> tuple[list[Result], int]:
+        tasks = [
+            asyncio.create_task(collect(tiny_engine, f"q-{i}", p, sp))
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+        ]
+        most_waiting = 0
+        while not all(t.done() for t in tasks):
+            stats = tiny_engine.stats()
+            assert stats.running <= 2
+            most_waiting = max(most_waiting, stats.waiting)
+            await asyncio.sleep(0.001)
+        return [t.result() for t in tasks], most_waiting
+
+    solo = run(alone())
+    mixed, most_waiting = run(together())
+    assert most_waiting >= 1
+    for i, (a, b) in enumerate(zip(solo, mixed, strict=True)):
+        assert a.tokens == b.tokens and len(b.tokens) == 6 + i and b.finish == "length"
+    assert tiny_engine.stats().running == 0
+
+
+def test_slow_consumer_gets_coalesced_outputs(tiny_engine: HFEngine) -> None:
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    prompt = [5, 6, 7, 8]
+
+    async def slow() -> Result:
+        res = Result()
+        async for out in tiny_engine.generate("slow", prompt, sp):
+            res.outputs += 1
+            res.tokens += out.new_token_ids
+            res.logprobs += out.logprobs or []
+            res.finish = out.finish_reason
+            await asyncio.sleep(0.2)  # the engine runs ahead; outputs pile up and merge
+        return res
+
+    fast = run(collect(tiny_engine, "fast", prompt, sp))
+    res = run(slow())
+    assert res.tokens == fast.tokens and res.finish == "length"
+    assert [tl.token_id for tl in res.logprobs] == res.tokens
+    assert res.outputs <= fast.outputs
+
+
+def test_abort_while_queued(tiny_engine: HFEngine) -> None:
+    async def main() -> list[Result]:
+        sp = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+        tasks = [
+            asyncio.create_task(collect(tiny_engine, f"aq-{i}", [1, 2, 3 + i], sp))
+            for i in range(3)
+        ]
+        while tiny_engine.stats().waiting < 1:
+            await asyncio.sleep(0.001)
+        for i in (2, 0, 1):
+            await tiny_engine.abort(f"aq-{i}")
+        return list(await asyncio.gather(*tasks))
+
+    results = run(main())
+    assert all(r.finish == "abort" for r in results)
+    assert results[2].tokens == []  # it never left the queue
+    assert tiny_engine.stats().running == 0 and tiny_engine.stats().waiting == 0
+
+
+def test_rejects_bad_requests(engine: HFEngine, tokenizer: AutoTokenizer) -> None:
+    prompt = chat(tokenizer, FRANCE)
+    limit = engine.max_model_len
+
+    async def first(rid: str, ids: list[int], sp: SamplingParams, media: object = None) -> None:
+        async for _ in engine.generate(rid, ids, sp, media):
+            break
+
+    with pytest.raises(EngineError, match="context length"):
+        run(first("long", [1] * limit, SamplingParams(max_tokens=1)))
+    with pytest.raises(EngineError, match="max_tokens"):
+        run(first("long2", prompt, SamplingParams(max_tokens=limit)))
+    with pytest.raises(EngineError, match="token ids"):
+        run(first("vocab", [engine.vocab_size], SamplingParams(max_tokens=1)))
+    with pytest.raises(EngineError, match="media"):
+        run(first("media", prompt, SamplingParams(max_tokens=1), media={"pixel_values": 1}))
+
+    async def duplicate() -> None:
+        sp = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+        stream = engine.generate("dup", prompt, sp)
+        await stream.__anext__()
+        try:
+            with pytest.raises(EngineError, match="already running"):
+                await first("dup", prompt, sp)
+        finally:
+            await stream.aclose()
+
+    run(duplicate())
+    assert engine.vocab_size == 49152 and engine.model_name == "smollm2-135m-instruct"
+    assert engine.is_ready()
+
+
+def _sorted_pick(scaled: torch.Tensor, p: SamplingParams, u: float) -> int:
+    """Reference: full sort, vLLM's min_p -> top_k -> top_p, inverse CDF in sorted order.
+
+    Returns the pick's position in the sorted order (ties and rounding aside, the same token).
+    """
+    if p.min_p > 0:
+        scaled = scaled.masked_fill(scaled < scaled.max() + math.log(p.min_p), float("-inf"))
+    vals = torch.sort(scaled, descending=True).values
+    keep = torch.isfinite(vals)
+    if 0 < p.top_k < scaled.shape[-1]:
+        keep[p.top_k :] = False
+    probs = torch.softmax(vals.masked_fill(~keep, float("-inf")), dim=-1).double()
+    keep &= (probs.cumsum(-1) - probs) < p.top_p
+    kept_cum = (probs * keep).cumsum(-1)
+    pick = int(torch.searchsorted(kept_cum, kept_cum[-1:] * u, right=True).item())
+    return min(pick, int(keep.sum()) - 1)
+
+
+def _vocab_order_pick(scaled: torch.Tensor, min_p: float, u: float) -> int:
+    """Reference for rows with neither top_k nor top_p: inverse CDF in vocabulary order."""
+    if min_p > 0:
+        scaled = scaled.masked_fill(scaled < scaled.max() + math.log(min_p), float("-inf"))
+    cum = torch.softmax(scaled.double(), dim=-1).cumsum(dim=-1)
+    return int(torch.searchsorted(cum, cum[-1:] * u, right=True).item())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_candidate_sampling_matches_exact_path(seed: int) -> None:
+    """The candidate tiers pick what a full sort picks for the same draw."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 5000
+    logits = torch.randn(9, vocab, generator=gen) * (1.0 + 3.0 * seed)
+    mix = [
+        SamplingParams(max_tokens=1, temperature=0.8, top_p=0.9),
+        SamplingParams(max_tokens=1, temperature=1.0, top_k=7),
+        SamplingParams(max_tokens=1, temperature=1.0, top_k=600),
+        SamplingParams(max_tokens=1, temperature=1.0, min_p=0.3),
+        SamplingParams(max_tokens=1, temperature=1.5, min_p=0.05, top_p=0.7),
+        SamplingParams(max_tokens=1, temperature=0.5, top_k=100, top_p=0.95),
+        SamplingParams(max_tokens=1, temperature=1.0, top_p=0.999),
+        SamplingParams(max_tokens=1, temperature=1.0, top_k=3, min_p=0.2),
+        SamplingParams(max_tokens=1, temperature=0.7),
+    ]
+    for trial in range(5):
+        seeds = [1000 * trial + j for j in range(len(mix))]
+        rows = [
+            RowSampler.create(dataclasses.replace(sp, seed=s), [1], (), vocab, torch.device("cpu"))
+            for sp, s in zip(mix, seeds, strict=True)
+        ]
+        draws = [
+            torch.rand(1, generator=torch.Generator().manual_seed(s), dtype=torch.float64).item()
+            for s in seeds
+        ]
+        got = sample(logits, rows).token_ids
+        for j, sp in enumerate(mix):
+            scaled = logits[j] / sp.temperature
+            if sp.top_k == 0 and sp.top_p >= 1.0:
+                assert got[j] == _vocab_order_pick(scaled, sp.min_p, draws[j]), (sp, trial)
+                continue
+            # Float rounding may move a draw that sits on a boundary to the neighbouring token.
+            position = int((torch.sort(scaled, descending=True).indices == got[j]).nonzero())
+            assert abs(position - _sorted_pick(scaled, sp, draws[j])) <= 1, (sp, trial)
+
+
+def test_padded_cache_join_decode_drop_trim() -> None:
+    """Rows keep their own tokens, right-aligned, through joins, in-place decodes and drops."""
+    from tokenwire.engine.kv_cache import PaddedBatchCache
+
+    cache = PaddedBatchCache(num_layers=2, device=torch.device("cpu"))
+    order: list[str] = []  # cache row -> request name
+    tokens: dict[str, list[float]] = {}
+
+    def join(named: dict[str, int]) -> None:
+        width = max(named.values())
+        kv = torch.zeros(len(named), 1, width, 2)
+        mask = torch.zeros(len(named), width, dtype=torch.bool)
+        for r, (name, n) in enumerate(named.items()):
+            tokens[name] = [1000.0 * (len(tokens) + 1) + t for t in range(n)]
+            kv[r, 0, width - n :, 0] = torch.tensor(tokens[name])
+            mask[r, width - n :] = True
+            order.append(name)
+        cache.join([(kv, kv + 0.5), (kv, kv + 0.5)], mask, rows_cap=8)
+
+    def decode() -> None:
+        cache.begin_decode()
+        new = torch.zeros(len(order), 1, 1, 2)
+        for r, name in enumerate(order):
+            tokens[name].append(tokens[name][-1] + 1)
+            new[r, 0, 0, 0] = tokens[name][-1]
+        for layer in range(2):
+            keys, _ = cache.update(new, new + 0.5, layer)
+            assert keys.shape[2] == cache.length + 1
+        cache.commit(1)
+
+    def drop(*names: str) -> None:
+        moves = cache.drop([order.index(n) for n in names])
+        for src, dst in moves:
+            order[dst] = order[src]
+        del order[len(order) - len(names) :]
+
+    def check() -> None:
+        mask = cache.window_mask()
+        assert mask.shape == (len(order), cache.length)
+        for layer in cache.layers:
+            for r, name in enumerate(order):
+                got = layer.keys[r, 0, :, 0][mask[r]].tolist() if cache.length else []
+                assert got == tokens[name]
+                values = layer.values[r, 0, :, 0][mask[r]] if cache.length else torch.zeros(0)
+                assert values.tolist() == [t + 0.5 for t in tokens[name]]
+                assert mask[r, -1]  # right-aligned
+        assert bool(mask.any(dim=0)[0]) or not order  # no all-padding leading column
+
+    join({"a": 3})
+    decode()
+    decode()
+    check()
+    join({"b": 9, "c": 2})  # longer than the window: grows left
+    decode()
+    check()
+    join({"d": 4})
+    decode()
+    check()
+    drop("a")
+    decode()
+    check()
+    drop("b")  # the longest row goes: leading padding is trimmed
+    assert cache.length == max(len(tokens[n]) for n in order)
+    decode()
+    check()
+    for _ in range(80):  # past the first column capacity: the buffers grow
+        decode()
+    check()
+    drop("c", "d")
+    assert cache.rows == 0 and cache.length == 0
+    join({"e": 5, "f": 1})
+    decode()
+    check()
