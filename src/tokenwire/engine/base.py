@@ -47,6 +47,23 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]
 
 
+@dataclass(frozen=True, slots=True)
+class ImageInput:
+    """One processed image of a prompt (Qwen2-VL style) and where its placeholders sit."""
+
+    pixel_values: Any  # torch.Tensor [patches, patch_dim]
+    image_grid_thw: Any  # torch.Tensor [1, 3]
+    offset: int  # first placeholder token in the prompt
+    length: int  # number of placeholder tokens
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalInput:
+    """The media of one request, in prompt order; passed as ``media`` to ``Engine.generate``."""
+
+    images: tuple[ImageInput, ...]
+
+
 @dataclass(slots=True)
 class EngineOutput:
     """An incremental result: the tokens made since the previous output of the same request."""
@@ -86,7 +103,7 @@ class Engine(Protocol):
         request_id: str,
         prompt_token_ids: list[int],
         sampling: SamplingParams,
-        media: Any | None = None,
+        media: MultiModalInput | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Yield outputs until one carries a finish_reason. Closing the iterator aborts."""
         ...

@@ -159,7 +159,7 @@ class HFEngine:
         self.device = _pick_device(device)
         self.dtype = _pick_dtype(dtype, self.device)
         self.multimodal = hasattr(self.config, "vision_config")
-        self.eos_ids: tuple[int, ...] = ()
+        self.eos_token_ids: tuple[int, ...] = ()
 
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -190,10 +190,6 @@ class HFEngine:
         await asyncio.to_thread(self._ready.wait)
         if self._load_error is not None:
             raise EngineError(f"model failed to load: {self._load_error}") from self._load_error
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.eos_ids
 
     def is_ready(self) -> bool:
         return self._ready.is_set() and self._load_error is None and not self._stopping
@@ -351,7 +347,7 @@ class HFEngine:
         if eos is None:
             eos = getattr(text_config, "eos_token_id", None)
         eos_list = eos if isinstance(eos, list | tuple) else [eos]
-        self.eos_ids = tuple(int(e) for e in eos_list if e is not None)
+        self.eos_token_ids = tuple(int(e) for e in eos_list if e is not None)
         self._model = model
         self._num_layers = int(text_config.num_hidden_layers)
         self._cache = PaddedBatchCache(self._num_layers, self.device)
@@ -478,7 +474,7 @@ class HFEngine:
         for req in group:
             stops = tuple(req.params.stop_token_ids)
             if not req.params.ignore_eos:
-                stops += tuple(e for e in self.eos_ids if e not in stops)
+                stops += tuple(e for e in self.eos_token_ids if e not in stops)
             req.sampler = RowSampler.create(
                 req.params, req.prompt, stops, self.vocab_size, self.device
             )
@@ -581,7 +577,7 @@ class HFEngine:
         if n >= p.min_tokens:
             if token in p.stop_token_ids:
                 return "stop"
-            if not p.ignore_eos and token in self.eos_ids:
+            if not p.ignore_eos and token in self.eos_token_ids:
                 return "stop"
         if n >= p.max_tokens or len(req.prompt) + n >= self.max_model_len:
             return "length"
