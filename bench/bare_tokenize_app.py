@@ -1,6 +1,10 @@
-"""The baseline for bench_tokenize: uvicorn (uvloop + httptools) and a tokenizer, nothing else.
+"""Baselines for bench_tokenize: uvicorn (uvloop + httptools) and a tokenizer, nothing else.
 
-Run: ``python bench/bare_tokenize_app.py MODEL_DIR PORT``.
+``raw``: a plain ASGI callable. ``fastapi``: one FastAPI route (the framework tokenwire is
+built on) that parses the body and calls the tokenizer: what remains above it is tokenwire's own
+cost (validation, auth, metrics, request ids, error mapping).
+
+Run: ``python bench/bare_tokenize_app.py MODEL_DIR PORT raw|fastapi``.
 """
 
 from __future__ import annotations
@@ -9,12 +13,14 @@ import sys
 
 import orjson
 import uvicorn
+from fastapi import FastAPI, Request
+from starlette.responses import Response
 from tokenizers import Tokenizer
 
 tokenizer = Tokenizer.from_file(f"{sys.argv[1]}/tokenizer.json")
 
 
-async def app(scope, receive, send) -> None:  # noqa: ANN001 - raw ASGI
+async def raw_app(scope, receive, send) -> None:
     if scope["type"] != "http":
         return
     if scope["path"] == "/health":
@@ -29,11 +35,36 @@ async def app(scope, receive, send) -> None:  # noqa: ANN001 - raw ASGI
         more = message.get("more_body", False)
     ids = tokenizer.encode(orjson.loads(body)["prompt"]).ids
     payload = orjson.dumps({"count": len(ids), "tokens": ids})
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+    ]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
 
 
+fastapi_app = FastAPI()
+
+
+@fastapi_app.get("/health")
+async def health() -> Response:
+    return Response()
+
+
+@fastapi_app.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    ids = tokenizer.encode(orjson.loads(await request.body())["prompt"]).ids
+    return Response(orjson.dumps({"count": len(ids), "tokens": ids}), media_type="application/json")
+
+
 if __name__ == "__main__":
-    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[2]), loop="uvloop", http="httptools",
-                log_level="warning", access_log=False)
+    app = raw_app if sys.argv[3] == "raw" else fastapi_app
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=int(sys.argv[2]),
+        loop="uvloop",
+        http="httptools",
+        log_level="warning",
+        access_log=False,
+    )

@@ -16,9 +16,9 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from serverbench import ServerProcess, free_port, run_load, tokenwire_command  # noqa: E402
+from serverbench import ServerProcess, free_port, run_load, tokenwire_command
 
-from tokenwire.assets import prepare  # noqa: E402
+from tokenwire.assets import prepare
 
 PROMPT = "Reinforcement learning from token ids keeps the sampler and the trainer in agreement."
 
@@ -34,22 +34,51 @@ def main() -> None:
         return orjson.dumps({"prompt": f"{PROMPT} {index}"})
 
     rows = []
-    port = free_port()
-    bare = ServerProcess(
-        [sys.executable, str(Path(__file__).parent / "bare_tokenize_app.py"), str(model_dir),
-         str(port)], port)
-    try:
-        rows.append(("bare uvicorn + tokenizer", run_load(
-            bare.url, bare.process.pid, "/tokenize", body, clients=args.clients,
-            requests=args.requests)))
-    finally:
-        bare.stop()
+    for kind, label in (
+        ("raw", "bare ASGI + tokenizer"),
+        ("fastapi", "bare FastAPI route + tokenizer"),
+    ):
+        port = free_port()
+        command = [
+            sys.executable,
+            str(Path(__file__).parent / "bare_tokenize_app.py"),
+            str(model_dir),
+            str(port),
+            kind,
+        ]
+        bare = ServerProcess(command, port)
+        try:
+            rows.append(
+                (
+                    label,
+                    run_load(
+                        bare.url,
+                        bare.process.pid,
+                        "/tokenize",
+                        body,
+                        clients=args.clients,
+                        requests=args.requests,
+                    ),
+                )
+            )
+        finally:
+            bare.stop()
     port = free_port()
     server = ServerProcess(tokenwire_command(port, "--model", "qwen3-tiny"), port)
     try:
-        rows.append(("tokenwire /tokenize", run_load(
-            server.url, server.process.pid, "/tokenize", body, clients=args.clients,
-            requests=args.requests)))
+        rows.append(
+            (
+                "tokenwire /tokenize",
+                run_load(
+                    server.url,
+                    server.process.pid,
+                    "/tokenize",
+                    body,
+                    clients=args.clients,
+                    requests=args.requests,
+                ),
+            )
+        )
     finally:
         server.stop()
 
@@ -57,13 +86,19 @@ def main() -> None:
 
     tokens = len(Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(f"{PROMPT} 0").ids)
     base = rows[0][1].cpu_us_per_request
-    print(f"/tokenize, {args.clients} concurrent clients, {args.requests} requests, "
-          f"a prompt of {tokens} tokens\n")
-    print("| server | requests/s | server CPU µs/request | CPU ratio vs bare |")
-    print("| --- | ---: | ---: | ---: |")
+    print(
+        f"/tokenize, {args.clients} concurrent clients, {args.requests} requests, "
+        f"a prompt of {tokens} tokens\n"
+    )
+    framework = rows[1][1].cpu_us_per_request
+    print("| server | requests/s | server CPU µs/request | vs bare ASGI | vs bare FastAPI |")
+    print("| --- | ---: | ---: | ---: | ---: |")
     for name, result in rows:
-        print(f"| {name} | {result.requests_per_s:,.0f} | {result.cpu_us_per_request:,.0f} | "
-              f"{result.cpu_us_per_request / base:.2f}x |")
+        cpu = result.cpu_us_per_request
+        print(
+            f"| {name} | {result.requests_per_s:,.0f} | {cpu:,.0f} | {cpu / base:.2f}x | "
+            f"{cpu / framework:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -70,7 +70,12 @@ class LoadResult:
 
 
 def run_load(
-    url: str, pid: int, path: str, make_body: Callable[[int], bytes], *, clients: int,
+    url: str,
+    pid: int,
+    path: str,
+    make_body: Callable[[int], bytes],
+    *,
+    clients: int,
     requests: int,
 ) -> LoadResult:
     """``clients`` concurrent keep-alive connections sending ``requests`` POSTs in all."""
@@ -87,8 +92,9 @@ def run_load(
                     response.raise_for_status()
 
             # Warm up connections and caches, then measure.
-            await asyncio.gather(*(client.post(path, content=make_body(0), headers=headers)
-                                   for _ in range(clients)))
+            await asyncio.gather(
+                *(client.post(path, content=make_body(0), headers=headers) for _ in range(clients))
+            )
             cpu_before = cpu_seconds(pid)
             started = time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(clients)))

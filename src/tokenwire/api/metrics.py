@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -31,6 +32,7 @@ class Metrics:
             registry=self.registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
         )
+        self._children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
         self.media_cache_hits = Counter(
             "tokenwire_media_cache_hits",
             "Media items served from the cache.",
@@ -43,6 +45,19 @@ class Metrics:
             ["modality"],
             registry=self.registry,
         )
+
+    def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
+        # labels() hashes and locks on every call; the children are cached per label set.
+        key = (route, method, status)
+        children = self._children.get(key)
+        if children is None:
+            children = (
+                self.requests.labels(route, method, str(status)),
+                self.latency.labels(route),
+            )
+            self._children[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
     def watch_engine(self, stats: Callable[[], EngineStats | None]) -> None:
         self.registry.register(_EngineCollector(stats))
@@ -94,5 +109,6 @@ class MetricsMiddleware:
             route = scope.get("route")
             # Unmatched paths share one label so scanners cannot blow up the label set.
             route_name = getattr(route, "path", None) or "unmatched"
-            self.metrics.requests.labels(route_name, scope["method"], str(status)).inc()
-            self.metrics.latency.labels(route_name).observe(time.perf_counter() - started)
+            self.metrics.observe_request(
+                route_name, scope["method"], status, time.perf_counter() - started
+            )

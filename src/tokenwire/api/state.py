@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 from fastapi import Depends, Request
 
 from tokenwire.api.errors import APIError
+from tokenwire.api.media_inputs import MediaService
 from tokenwire.api.metrics import Metrics
 from tokenwire.engine.base import Engine
 from tokenwire.settings import Settings
@@ -29,6 +30,8 @@ class ModelRuntime:
     max_model_len: int
     # Ids that end a choice on their own (eos); never part of the text a client reads.
     eos_token_ids: frozenset[int]
+    # Fetches and processes media for every entry point; refuses it for text-only models.
+    media: MediaService
 
 
 @dataclass(slots=True)
@@ -53,12 +56,15 @@ class ServerState:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
 
 
-def server_state(request: Request) -> ServerState:
+async def server_state(request: Request) -> ServerState:
     return request.app.state.tokenwire
 
 
-def ready_runtime(request: Request) -> ModelRuntime:
-    """The loaded model, or a 503 while it is loading or the server is shutting down."""
+async def ready_runtime(request: Request) -> ModelRuntime:
+    """The loaded model, or a 503 while it is loading or shutting down.
+
+    Dependencies are async so FastAPI calls them inline instead of hopping to a thread.
+    """
     state: ServerState = request.app.state.tokenwire
     if state.runtime is None or state.shutting_down:
         raise APIError(
