@@ -9,14 +9,23 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tokenwire.assets import prepare
-from tokenwire.engine.base import EngineError, SamplingParams, TokenLogprob
+from tokenwire.engine.base import (
+    EngineError,
+    ImageInput,
+    MultiModalInput,
+    SamplingParams,
+    TokenLogprob,
+)
 from tokenwire.engine.hf import HFEngine
 from tokenwire.engine.sampling import RowSampler, sample
+from tokenwire.media.processing import MediaProcessor, expand_image_placeholders, mrope_positions
 
 FRANCE = "What is the capital of France?"
 
@@ -427,7 +436,7 @@ def test_rejects_bad_requests(engine: HFEngine, tokenizer: AutoTokenizer) -> Non
         run(first("long2", prompt, SamplingParams(max_tokens=limit)))
     with pytest.raises(EngineError, match="token ids"):
         run(first("vocab", [engine.vocab_size], SamplingParams(max_tokens=1)))
-    with pytest.raises(EngineError, match="media"):
+    with pytest.raises(EngineError, match="no image input"):
         run(first("media", prompt, SamplingParams(max_tokens=1), media={"pixel_values": 1}))
 
     async def duplicate() -> None:
@@ -582,3 +591,303 @@ def test_padded_cache_join_decode_drop_trim() -> None:
     join({"e": 5, "f": 1})
     decode()
     check()
+
+
+# -- multimodal: qwen2-vl-tiny ------------------------------------------------------------------
+
+VL_MERGE = 2
+
+
+@pytest.fixture(scope="module")
+def vl_dir() -> Path:
+    return Path(prepare("qwen2-vl-tiny"))
+
+
+@pytest.fixture(scope="module")
+def vl_engine(vl_dir: Path) -> Iterator[HFEngine]:
+    eng = HFEngine(vl_dir, max_num_seqs=8, device="cpu")
+    run(eng.start())
+    yield eng
+    run(eng.shutdown())
+
+
+@pytest.fixture(scope="module")
+def vl_model(vl_dir: Path) -> torch.nn.Module:
+    from transformers import Qwen2VLForConditionalGeneration
+
+    return Qwen2VLForConditionalGeneration.from_pretrained(vl_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def vl_parts(vl_dir: Path) -> tuple[AutoTokenizer, MediaProcessor]:
+    processor = MediaProcessor.from_model_dir(vl_dir)
+    assert processor is not None and processor.merge_size == VL_MERGE
+    return AutoTokenizer.from_pretrained(vl_dir), processor
+
+
+def solid(width: int, height: int, rgb: tuple[int, int, int]) -> Image.Image:
+    return Image.new("RGB", (width, height), rgb)
+
+
+def gradient(width: int, height: int) -> Image.Image:
+    x = np.linspace(0, 255, width, dtype=np.float32)[None, :, None]
+    y = np.linspace(255, 0, height, dtype=np.float32)[:, None, None]
+    pixels = np.concatenate([x + 0 * y, y + 0 * x, (x + y) / 2], axis=2).astype(np.uint8)
+    return Image.fromarray(pixels)
+
+
+def vl_prompt(
+    parts: tuple[AutoTokenizer, MediaProcessor], text: str, images: list[Image.Image]
+) -> tuple[list[int], MultiModalInput]:
+    """Chat ids with each image's pad expanded, and the media the api layer would pass."""
+    tok, processor = parts
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    ids = list(tok.apply_chat_template([{"role": "user", "content": content}], **GEN)["input_ids"])
+    items = [processor.process_image(img) for img in images]
+    expanded, ranges = expand_image_placeholders(
+        ids, VL_PAD, [i.num_placeholder_tokens for i in items]
+    )
+    media = MultiModalInput(
+        tuple(
+            ImageInput(i.pixel_values, i.image_grid_thw, offset, length)
+            for i, (offset, length) in zip(items, ranges, strict=True)
+        )
+    )
+    return expanded, media
+
+
+GEN = {"add_generation_prompt": True}
+VL_PAD = 151655
+
+
+async def collect_mm(
+    engine: HFEngine,
+    rid: str,
+    prompt: list[int],
+    sp: SamplingParams,
+    media: MultiModalInput | None,
+) -> Result:
+    res = Result()
+    async for out in engine.generate(rid, prompt, sp, media):
+        res.outputs += 1
+        res.tokens += out.new_token_ids
+        res.logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            res.prompt_logprobs = out.prompt_logprobs
+        res.finish = out.finish_reason
+    return res
+
+
+def media_kwargs(media: MultiModalInput | None) -> dict[str, torch.Tensor]:
+    if media is None or not media.images:
+        return {}
+    return {
+        "pixel_values": torch.cat([im.pixel_values for im in media.images]),
+        "image_grid_thw": torch.cat([im.image_grid_thw.reshape(1, 3) for im in media.images]),
+    }
+
+
+@torch.inference_mode()
+def vl_full_logprobs(
+    model: torch.nn.Module, ids: list[int], media: MultiModalInput | None
+) -> torch.Tensor:
+    """Trainer view: one forward over ``ids`` with pixel values and explicit 3D positions."""
+    images = media.images if media is not None else ()
+    positions, _ = mrope_positions(
+        len(ids),
+        [(im.offset, im.length) for im in images],
+        [tuple(int(v) for v in im.image_grid_thw.reshape(-1)) for im in images],
+        VL_MERGE,
+    )
+    out = model(
+        input_ids=torch.tensor([ids]), position_ids=positions[:, None], **media_kwargs(media)
+    )
+    return torch.log_softmax(out.logits[0].float(), dim=-1)
+
+
+def assert_vl_parity(
+    model: torch.nn.Module, prompt: list[int], media: MultiModalInput | None, res: Result, k: int
+) -> None:
+    lp = vl_full_logprobs(model, prompt + res.tokens[:-1], media)
+    assert [tl.token_id for tl in res.logprobs] == res.tokens
+    for j, (tok, tl) in enumerate(zip(res.tokens, res.logprobs, strict=True)):
+        row = lp[len(prompt) - 1 + j]
+        assert abs(tl.logprob - float(row[tok])) < 1e-4, j
+        ref_v, _ = torch.topk(row, k)
+        assert len(tl.top) == k
+        for (tid, v), rv in zip(tl.top, ref_v.tolist(), strict=True):
+            assert abs(v - rv) < 1e-4 and abs(float(row[tid]) - v) < 1e-4
+
+
+def test_vl_image_greedy_matches_hf_generate_and_full_forward(
+    vl_engine: HFEngine,
+    vl_model: torch.nn.Module,
+    vl_parts: tuple[AutoTokenizer, MediaProcessor],
+) -> None:
+    images = [gradient(112, 84), solid(56, 56, (200, 30, 30))]  # two images: order matters
+    prompt, media = vl_prompt(vl_parts, "Describe both pictures.", images)
+    assert [im.length for im in media.images] == [12, 4]
+    sp = SamplingParams(max_tokens=12, temperature=0, logprobs=3)
+    res = run(collect_mm(vl_engine, "vl-greedy", prompt, sp, media))
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        vl_model.model.rope_deltas = None
+        ref = vl_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            mm_token_type_ids=(ids == VL_PAD).long(),
+            max_new_tokens=12,
+            do_sample=False,
+            **media_kwargs(media),
+        )
+        vl_model.model.rope_deltas = None
+    assert res.tokens == ref[0, len(prompt) :].tolist()
+    assert_vl_parity(vl_model, prompt, media, res, 3)
+    # The engine never leans on the module's hidden M-RoPE state.
+    assert vl_engine._model.model.rope_deltas is None
+
+    plp = run(
+        collect_mm(
+            vl_engine, "vl-plp", prompt, SamplingParams(max_tokens=1, prompt_logprobs=2), media
+        )
+    ).prompt_logprobs
+    assert plp is not None and len(plp) == len(prompt) and plp[0] is None
+    lp = vl_full_logprobs(vl_model, prompt, media)
+    for t in range(1, len(prompt)):
+        entry = plp[t]
+        assert entry is not None and abs(entry.logprob - float(lp[t - 1, prompt[t]])) < 1e-4
+
+
+def test_vl_image_and_text_rows_batch_like_alone(
+    vl_engine: HFEngine,
+    vl_model: torch.nn.Module,
+    vl_parts: tuple[AutoTokenizer, MediaProcessor],
+) -> None:
+    tok, _ = vl_parts
+    text_a = list(
+        tok.apply_chat_template([{"role": "user", "content": "Tell me about rain."}], **GEN)[
+            "input_ids"
+        ]
+    )
+    text_b = list(
+        tok.apply_chat_template([{"role": "user", "content": "Why?"}], **GEN)["input_ids"]
+    )
+    img_c, media_c = vl_prompt(vl_parts, "What colour?", [solid(84, 56, (20, 40, 220))])
+    img_d, media_d = vl_prompt(vl_parts, "What colour?", [gradient(84, 56)])
+    assert img_c == img_d  # same ids, different pixels
+    greedy = SamplingParams(max_tokens=10, temperature=0, logprobs=2, ignore_eos=True)
+    reqs: list[tuple[list[int], SamplingParams, MultiModalInput | None]] = [
+        (text_a, greedy, None),
+        (img_c, greedy, media_c),
+        (text_b, SamplingParams(max_tokens=10, temperature=1.0, seed=5, ignore_eos=True), None),
+        (img_d, greedy, media_d),
+        (text_b, greedy, MultiModalInput(())),  # no images: a plain text row
+    ]
+
+    async def alone() -> list[Result]:
+        return [
+            await collect_mm(vl_engine, f"vl-alone-{i}", p, sp, m)
+            for i, (p, sp, m) in enumerate(reqs)
+        ]
+
+    async def together() -> list[Result]:
+        first = asyncio.create_task(collect_mm(vl_engine, "vl-mix-0", *reqs[0]))
+        while vl_engine.stats().running < 1 and not first.done():
+            await asyncio.sleep(0.005)  # the rest join a batch that is already decoding
+        rest = [collect_mm(vl_engine, f"vl-mix-{i}", *r) for i, r in enumerate(reqs) if i]
+        return [await first, *(await asyncio.gather(*rest))]
+
+    solo = run(alone())
+    mixed = run(together())
+    for i, (a, b) in enumerate(zip(solo, mixed, strict=True)):
+        assert a.tokens == b.tokens and len(a.tokens) == 10, i
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert abs(x.logprob - y.logprob) < 1e-4, i
+    for i in (0, 1, 3, 4):
+        assert_vl_parity(vl_model, reqs[i][0], reqs[i][2], mixed[i], 2)
+    # Two different images: different distributions.
+    c, d = mixed[1].logprobs[0], mixed[3].logprobs[0]
+    assert c.top != d.top or abs(c.logprob - d.logprob) > 1e-3
+    assert vl_engine.stats().running == 0
+
+
+def test_vl_abort_and_close_media_requests(
+    vl_engine: HFEngine, vl_parts: tuple[AutoTokenizer, MediaProcessor]
+) -> None:
+    prompt, media = vl_prompt(vl_parts, "Go on.", [gradient(56, 112)])
+    sp = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+
+    async def main() -> tuple[Result, int]:
+        res = Result()
+        async for out in vl_engine.generate("vl-abort", prompt, sp, media):
+            res.tokens += out.new_token_ids
+            res.finish = out.finish_reason
+            if len(res.tokens) == 3:
+                assert await vl_engine.abort("vl-abort")
+        stream = vl_engine.generate("vl-close", prompt, sp, media)
+        async for _ in stream:
+            break
+        await stream.aclose()
+        for _ in range(500):
+            if vl_engine.stats().running == 0:
+                break
+            await asyncio.sleep(0.01)
+        return res, vl_engine.stats().running
+
+    res, running = run(main())
+    assert res.finish == "abort" and 3 <= len(res.tokens) < 300
+    assert running == 0
+    again = run(collect_mm(vl_engine, "vl-close", prompt, SamplingParams(max_tokens=2), media))
+    assert len(again.tokens) == 2
+
+
+def test_vl_rejects_bad_media(
+    vl_engine: HFEngine,
+    tiny_engine: HFEngine,
+    vl_parts: tuple[AutoTokenizer, MediaProcessor],
+) -> None:
+    prompt, media = vl_prompt(vl_parts, "Hi", [solid(56, 56, (0, 0, 0)), gradient(56, 56)])
+    one, two = media.images
+    assert (one.length, two.length) == (4, 4)
+    sp = SamplingParams(max_tokens=1)
+    # One more pad id outside every image's range.
+    extra_pad = prompt[:-1] + [VL_PAD]
+
+    async def first(engine: HFEngine, ids: list[int], m: object) -> None:
+        async for _ in engine.generate("bad", ids, sp, m):  # type: ignore[arg-type]
+            break
+
+    def swap(im: ImageInput, **kw: object) -> ImageInput:
+        return dataclasses.replace(im, **kw)
+
+    nan_pixels = one.pixel_values.clone()
+    nan_pixels[0, 0] = float("nan")
+    cases: list[tuple[list[int], object, str]] = [
+        (prompt, {"pixel_values": 1}, "MultiModalInput"),
+        (prompt, MultiModalInput((swap(one, offset=len(prompt) - 2), two)), "outside the prompt"),
+        (prompt, MultiModalInput((two, one)), "prompt order"),
+        (prompt, MultiModalInput((swap(one, offset=one.offset - 1), two)), "other than the image"),
+        (prompt, MultiModalInput((one,)), "image tokens but the images fill 4"),
+        (extra_pad, media, "holds 9 image tokens"),
+        (prompt, MultiModalInput((one, swap(two, length=3))), "makes 4 image tokens"),
+        (prompt, MultiModalInput((swap(one, pixel_values=one.pixel_values[:8]), two)), "has shape"),
+        (
+            prompt,
+            MultiModalInput((swap(one, image_grid_thw=torch.tensor([[1, 3, 4]])), two)),
+            "multiples of the merge size",
+        ),
+        (prompt, MultiModalInput((swap(one, image_grid_thw=torch.ones(1, 3)), two)), "integer"),
+        (prompt, MultiModalInput((swap(one, pixel_values=one.pixel_values[:, :10]), two)), "shape"),
+        (prompt, MultiModalInput((swap(one, pixel_values=nan_pixels), two)), "finite"),
+        (prompt, MultiModalInput((swap(one, offset=1.5), two)), "ints"),
+    ]
+    for ids, bad, message in cases:
+        with pytest.raises(EngineError, match=message):
+            run(first(vl_engine, ids, bad))
+    with pytest.raises(EngineError, match="this model takes no image input"):
+        run(first(tiny_engine, [1, 2, 3], media))
+    assert vl_engine.multimodal and not tiny_engine.multimodal
+    # Nothing reached the engine thread; it still serves images and text.
+    assert vl_engine.stats().running == 0 and vl_engine.stats().waiting == 0
+    assert len(run(collect_mm(vl_engine, "ok", prompt, sp, media)).tokens) == 1
+    assert len(run(collect_mm(vl_engine, "ok", [1, 2, 3], sp, None)).tokens) == 1

@@ -13,6 +13,11 @@ joined into the running cache, right-aligned) or one decode step for every runni
 and aborted rows are dropped from the cache right after the step that ends them, and columns that
 became padding in every row are trimmed.
 
+Qwen2-VL-family models (``multimodal.VisionSpec``) load as image-text-to-text models. A request
+with images is prefilled alone with its pixel values and explicit 3D M-RoPE positions, then
+decodes in the shared batch like any other row: its position is its token index plus its own
+rope delta (0 for text rows), kept on the request so it follows the row through cache moves.
+
 Threads: every torch call runs on one engine thread; the asyncio side sends commands through a
 thread-safe queue and receives outputs through ``loop.call_soon_threadsafe`` into per-request
 ``asyncio.Queue``s (torch work on the event loop slowed a measured loop by ~27%).
@@ -42,6 +47,13 @@ from tokenwire.engine.base import (
     TokenLogprob,
 )
 from tokenwire.engine.kv_cache import PaddedBatchCache
+from tokenwire.engine.multimodal import (
+    RequestMedia,
+    VisionSpec,
+    check_media,
+    prefill_media_kwargs,
+    prefill_positions,
+)
 from tokenwire.engine.sampling import RowSampler, sample, token_logprobs
 
 logger = logging.getLogger(__name__)
@@ -69,7 +81,9 @@ class _Request:
     prompt: list[int]
     params: SamplingParams
     sink: _Sink
-    media: Any | None = None
+    media: RequestMedia | None = None
+    # M-RoPE: decode token i sits at position i + rope_delta (negative after images, else 0).
+    rope_delta: int = 0
     sampler: RowSampler | None = None
     output: list[int] = field(default_factory=list)
     last_token: int = 0
@@ -158,7 +172,8 @@ class HFEngine:
         self.max_num_seqs = max_num_seqs
         self.device = _pick_device(device)
         self.dtype = _pick_dtype(dtype, self.device)
-        self.multimodal = hasattr(self.config, "vision_config")
+        self.vision = VisionSpec.from_config(self.config)
+        self.multimodal = self.vision is not None  # takes image input
         self.eos_token_ids: tuple[int, ...] = ()
 
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
@@ -202,7 +217,10 @@ class HFEngine:
             extra={"steps": self._steps, "tokens_generated": self._tokens_generated},
         )
 
-    def _validate(self, prompt: list[int], sampling: SamplingParams, media: Any | None) -> None:
+    def _validate(
+        self, prompt: list[int], sampling: SamplingParams, media: Any | None
+    ) -> RequestMedia | None:
+        """Refuse what the engine cannot serve (``EngineError``); return the checked images."""
         if not self.is_ready():
             raise EngineError("the engine is not running")
         if not prompt:
@@ -222,10 +240,11 @@ class HFEngine:
                 f"the prompt ({len(prompt)} tokens) plus max_tokens ({sampling.max_tokens}) "
                 f"exceeds this model's maximum context length of {self.max_model_len} tokens"
             )
-        if media is not None:
-            if not self.multimodal:
-                raise EngineError("this engine has no media support for this model")
-            raise EngineError("media input is not implemented in the hf engine yet")
+        if media is None:
+            return None
+        if self.vision is None:
+            raise EngineError("this model takes no image input")
+        return check_media(media, prompt, self.vision)
 
     async def generate(
         self,
@@ -236,12 +255,12 @@ class HFEngine:
     ) -> AsyncIterator[EngineOutput]:
         """Stream a request's outputs; closing the iterator early aborts it in the engine."""
         prompt = list(prompt_token_ids)
-        self._validate(prompt, sampling, media)
+        checked = self._validate(prompt, sampling, media)
         if request_id in self._live:
             raise EngineError(f"request id {request_id!r} is already running")
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         self._live[request_id] = sink
-        self._inbox.put(_Add(_Request(request_id, prompt, sampling, sink, media)))
+        self._inbox.put(_Add(_Request(request_id, prompt, sampling, sink, checked)))
         finished = False
         try:
             while True:
@@ -330,11 +349,14 @@ class HFEngine:
         self._deliver(emits)
 
     def _load(self) -> None:
-        from transformers import AutoModelForCausalLM, GenerationConfig
-
-        model = AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype=self.dtype, attn_implementation="sdpa"
+        from transformers import (
+            AutoModelForCausalLM,
+            AutoModelForImageTextToText,
+            GenerationConfig,
         )
+
+        auto = AutoModelForImageTextToText if self.vision is not None else AutoModelForCausalLM
+        model = auto.from_pretrained(self.model_dir, dtype=self.dtype, attn_implementation="sdpa")
         model.to(self.device).eval()
         text_config = model.config.get_text_config(decoder=True)
         layer_types = getattr(text_config, "layer_types", None) or []
@@ -360,6 +382,22 @@ class HFEngine:
             mask = torch.ones_like(ids, dtype=torch.bool)
             pos = torch.arange(3, device=self.device).unsqueeze(0)
             self._model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1)
+            if self.vision is not None:  # the vision tower too: one image of one merged token
+                m = self.vision.merge_size
+                media = RequestMedia(
+                    placeholders=((0, 1),),
+                    grids=((1, m, m),),
+                    pixel_values=(torch.zeros(m * m, self.vision.patch_dim),),
+                )
+                prompt = [self.vision.image_token_id, 1]
+                positions, _ = prefill_positions([prompt], [media], 2, m, self.device)
+                self._model(
+                    input_ids=torch.tensor([prompt], device=self.device),
+                    attention_mask=torch.ones(1, 2, dtype=torch.bool, device=self.device),
+                    position_ids=positions,
+                    logits_to_keep=1,
+                    **prefill_media_kwargs([media], self.device, self.dtype),
+                )
 
     def _drain_inbox(
         self, emits: list[tuple[_Sink, EngineOutput | BaseException]], block: bool
@@ -465,9 +503,22 @@ class HFEngine:
             mask[i, p - len(req.prompt) :] = True
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        if any(r.media is not None for r in group):
+            assert self.vision is not None
+            positions, deltas = prefill_positions(
+                [r.prompt for r in group],
+                [r.media for r in group],
+                p,
+                self.vision.merge_size,
+                self.device,
+            )
+            for req, delta in zip(group, deltas, strict=True):
+                req.rope_delta = delta
         full_logits = group[0].params.prompt_logprobs is not None
         cache = DynamicCache()
         logits = self._prefill_forward(group, ids, mask, positions, cache, full_logits)
+        for req in group:
+            req.media = None  # the pixels live in the KV cache now; free them for long decodes
         prompt_lps: list[TokenLogprob | None] | None = None
         if full_logits:
             prompt_lps = self._prompt_logprobs(logits[0], group[0])
@@ -501,12 +552,12 @@ class HFEngine:
         cache: Any,
         full_logits: bool,
     ) -> torch.Tensor:
-        """The prefill forward; the seam where media inputs (e.g. Qwen2-VL pixel values) go.
+        """The prefill forward; pixel values and grids go in here and only here.
 
-        A request with media is always prefilled alone (see ``_next_group``).
+        A request with media is always prefilled alone (see ``_next_group``): a vision tower
+        forward is costly, and a shared group would stall text prompts behind it.
         """
-        if group[0].media is not None:
-            raise EngineError("media input is not implemented in the hf engine yet")
+        media_kwargs = prefill_media_kwargs([r.media for r in group], self.device, self.dtype)
         out = self._model(
             input_ids=ids,
             attention_mask=mask,
@@ -514,6 +565,7 @@ class HFEngine:
             cache=cache,
             use_cache=True,
             logits_to_keep=0 if full_logits else 1,
+            **media_kwargs,
         )
         return out.logits
 
@@ -523,9 +575,10 @@ class HFEngine:
         rows = self._running
         attention_mask = cache.begin_decode()
         ids = torch.tensor([r.last_token for r in rows], device=self.device).unsqueeze(1)
-        # The last sampled token sits right after the prompt and the earlier outputs.
+        # The last sampled token sits right after the prompt and the earlier outputs; M-RoPE
+        # rows shift by their own delta (a [B, 1] tensor: Qwen2-VL repeats it on its 3 axes).
         positions = torch.tensor(
-            [len(r.prompt) + len(r.output) - 1 for r in rows], device=self.device
+            [len(r.prompt) + len(r.output) - 1 + r.rope_delta for r in rows], device=self.device
         ).unsqueeze(1)
         out = self._model(
             input_ids=ids,
