@@ -288,6 +288,8 @@ def test_request_id_header_wins(smollm2: httpx.Client, paris_ids: list[int]) -> 
         ({"token_ids": [1], "sampling_params": {"n": 99}}, "n must be at most"),
         ({"token_ids": [1], "sampling_params": {"bogus_field": 1}}, "bogus_field"),
         ({"token_ids": [1], "sampling_params": {"temperature": -1}}, "temperature"),
+        ({"token_ids": [1], "sampling_params": {"logprobs": 21}}, "max allowed: 20"),
+        ({"token_ids": [1], "sampling_params": {"prompt_logprobs": 50}}, "max allowed: 20"),
         ({"token_ids": [1], "sampling_params": {"logit_bias": {"1": 5}}}, "logit_bias"),
         ({"token_ids": [1]}, "sampling_params"),
         ({"token_ids": [1], "sampling_params": {}, "model": "nope"}, "does not exist"),

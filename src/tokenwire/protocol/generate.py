@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from tokenwire.protocol.common import RequestModel, StrictRequestModel
 
 CONTENT_PARTS_AND_FEATURES = "content_parts and features are mutually exclusive"
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 # vLLM SamplingParams fields that tokenwire accepts and ignores: they change no token ids.
 NO_EFFECT_FIELDS = frozenset(
@@ -100,6 +101,13 @@ class SamplingParamsModel(StrictRequestModel):
                 raise ValueError(f"{name} is not supported by tokenwire")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are not supported when detokenize is False")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > MAX_LOGPROBS:
+                raise ValueError(
+                    f"Requested {name} of {value}, which is greater than max allowed: "
+                    f"{MAX_LOGPROBS}"
+                )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must be less than or equal to max_tokens")
         return self
@@ -112,14 +120,16 @@ class SamplingParamsModel(StrictRequestModel):
 
     @property
     def num_logprobs(self) -> int | None:
-        """-1 means the whole vocabulary in vLLM; tokenwire caps it at 20 like OpenAI."""
-        return None if self.logprobs is None else (20 if self.logprobs < 0 else self.logprobs)
+        """-1 means the whole vocabulary in vLLM; tokenwire caps it at MAX_LOGPROBS."""
+        if self.logprobs is None:
+            return None
+        return MAX_LOGPROBS if self.logprobs < 0 else self.logprobs
 
     @property
     def num_prompt_logprobs(self) -> int | None:
         if self.prompt_logprobs is None:
             return None
-        return 20 if self.prompt_logprobs < 0 else self.prompt_logprobs
+        return MAX_LOGPROBS if self.prompt_logprobs < 0 else self.prompt_logprobs
 
 
 class StreamOptions(RequestModel):
