@@ -157,7 +157,7 @@ def test_concurrent_requests_do_not_leak(smollm2: httpx.Client, paris_ids: list[
     jobs = [
         (
             paris_ids[: len(paris_ids) - i % 4],  # prompts of different lengths share the batch
-            {**SETTINGS[i % len(SETTINGS)], "max_tokens": 12 + i % 5, "ignore_eos": True},
+            {**SETTINGS[i % len(SETTINGS)], "max_tokens": 6 + i % 3, "ignore_eos": True},
         )
         for i in range(16)
     ]
