@@ -5,10 +5,9 @@ real Qwen3 template of ``prepare("qwen3-tiny")``. Both sides run in the same pro
 alternating blocks so machine noise hits both alike; the table shows medians and ratios.
 
 Targets (DESIGN.md): text at least 6x, ids at least 2x ``apply_chat_template``. Our ids are
-``tokenizer.backend.encode`` of our text; the ``ids_batch_fast`` row (information only) encodes
-with ``encode_batch_fast``, which skips offsets and gives the same ids. On a shared machine the
-medians move with the neighbours' load; both sides run in alternating blocks so the ratio is
-fairer than either number.
+``Tokenizer.encode`` of our text, the server's own path. On a shared machine the medians move
+with the neighbours' load; both sides run in alternating blocks so the ratio is fairer than
+either number.
 
     .venv/bin/python bench/bench_render.py [--iterations N] [--model-dir DIR]
 """
@@ -155,12 +154,7 @@ def main() -> None:
         )
 
     def tw_ids() -> list[int]:
-        return tokenizer.backend.encode(tw_text(), add_special_tokens=False).ids
-
-    def tw_ids_batch_fast() -> list[int]:
-        # Same ids without offset tracking: what Tokenizer.encode could use (informational).
-        encoded = tokenizer.backend.encode_batch_fast([tw_text()], add_special_tokens=False)
-        return encoded[0].ids
+        return tokenizer.encode(tw_text(), add_special_tokens=False)
 
     def hf_ids() -> list[int]:
         return hf.apply_chat_template(
@@ -170,7 +164,7 @@ def main() -> None:
     text = tw_text()
     assert text == hf_text(), "text differs from transformers"
     ids = tw_ids()
-    assert ids == list(hf_ids()) == tw_ids_batch_fast(), "ids differ from transformers"
+    assert ids == list(hf_ids()), "ids differ from transformers"
 
     timings = _measure(
         {
@@ -178,18 +172,16 @@ def main() -> None:
             "hf_text": hf_text,
             "tw_ids": tw_ids,
             "hf_ids": hf_ids,
-            "tw_ids_batch_fast": tw_ids_batch_fast,
         },
         args.iterations,
     )
-    timings["hf_ids_batch_fast"] = timings["hf_ids"]
     print(
         f"Qwen3 template, {len(MESSAGES)} messages, {len(TOOLS)} tools: "
         f"{len(text)} chars, {len(ids)} tokens; median of {args.iterations} runs each\n"
     )
     print("| output | transformers (µs) | tokenwire (µs) | speed-up | target |")
     print("| --- | ---: | ---: | ---: | ---: |")
-    for kind in ("text", "ids", "ids_batch_fast"):
+    for kind in ("text", "ids"):
         ours, theirs = timings[f"tw_{kind}"], timings[f"hf_{kind}"]
         ratio = theirs / ours
         target = TARGETS.get(kind)
