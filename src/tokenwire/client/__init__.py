@@ -1,1 +1,0 @@
-"""tokenwire.client layer."""
