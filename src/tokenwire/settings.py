@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from tokenwire.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -87,8 +89,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--max-num-seqs", type=int, default=env_or("max_num_seqs", d.max_num_seqs))
     add("--max-n", type=int, default=env_or("max_n", d.max_n), help="largest n per request")
-    add("--reasoning-parser", default=env_or("reasoning_parser", None))
-    add("--tool-call-parser", default=env_or("tool_call_parser", None))
+    add(
+        "--reasoning-parser",
+        default=env_or("reasoning_parser", None),
+        choices=REASONING_PARSER_NAMES,
+    )
+    add("--tool-call-parser", default=env_or("tool_call_parser", None), choices=TOOL_PARSER_NAMES)
     add(
         "--enable-auto-tool-choice",
         action="store_true",
