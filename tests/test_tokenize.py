@@ -361,6 +361,22 @@ def test_models_version_metrics_docs(qwen3: httpx.Client) -> None:
     assert 'tokenwire_requests_total{method="POST",route="/tokenize",status="200"}' in metrics
     assert "tokenwire_request_duration_seconds_bucket" in metrics
     schema = qwen3.get("/openapi.json").json()
-    for path in ("/tokenize", "/detokenize", "/v1/models", "/health"):
+    for path in (
+        "/tokenize",
+        "/detokenize",
+        "/v1/models",
+        "/health",
+        "/inference/v1/generate",
+        "/v1/chat/completions/render",
+        "/v1/chat/completions/derender",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/abort_requests",
+    ):
         assert path in schema["paths"]
+    responses = schema["paths"]["/tokenize"]["post"]["responses"]
+    assert "422" not in responses  # validation errors are 400s here
+    assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "ErrorResponse"
+    )
     assert qwen3.get("/docs").status_code == 200
