@@ -105,6 +105,47 @@ def qwen3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="session")
+def vl_media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder ``qwen2vl_server`` may read ``file:`` media from (tests put files in it)."""
+    return tmp_path_factory.mktemp("vl-media")
+
+
+@pytest.fixture(scope="session")
+def qwen2vl_server(
+    tmp_path_factory: pytest.TempPathFactory, vl_media_dir: Path
+) -> Iterator[Server]:
+    """Qwen2-VL tiny that may fetch from loopback (tests serve media on 127.0.0.1).
+
+    Only ``127.0.0.1`` and ``localhost`` are on its allow-list; redirects are followed (each hop
+    re-checked); bodies over 1 MiB and fetches over 2 s are refused.
+    """
+    args = [
+        "--model",
+        "qwen2-vl-tiny",
+        "--allow-private-media-networks",
+        "--allowed-media-domains",
+        "127.0.0.1",
+        "localhost",
+        "--media-allow-redirects",
+        "--max-media-bytes",
+        str(2**20),
+        "--media-timeout-s",
+        "2",
+        "--allowed-local-media-path",
+        str(vl_media_dir),
+        "--max-model-len",
+        "4096",
+    ]
+    yield from _start(tmp_path_factory, "qwen2vl", args)
+
+
+@pytest.fixture(scope="session")
+def qwen2vl_strict_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Qwen2-VL tiny with the default media policy: no private addresses, no redirects."""
+    yield from _start(tmp_path_factory, "qwen2vl-strict", ["--model", "qwen2-vl-tiny"])
+
+
+@pytest.fixture(scope="session")
 def smollm2(smollm2_server: Server) -> Iterator[httpx.Client]:
     with smollm2_server.client() as client:
         yield client

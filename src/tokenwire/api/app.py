@@ -15,7 +15,9 @@ from fastapi import FastAPI
 from tokenwire import __version__
 from tokenwire.api.asgi import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from tokenwire.api.errors import install_error_handlers
+from tokenwire.api.media_inputs import IMAGE_PAD, MediaService
 from tokenwire.api.metrics import Metrics, MetricsMiddleware
+from tokenwire.api.openapi import install_openapi
 from tokenwire.api.routes import derender, generate, info, openai, render, tokenize
 from tokenwire.api.state import ModelRuntime, ServerState
 from tokenwire.engine.hf import HFEngine
@@ -42,6 +44,7 @@ def create_app(settings: Settings) -> FastAPI:
                 await loading
             if state.runtime is not None:
                 await state.runtime.engine.shutdown()
+                await state.runtime.media.aclose()
 
     app = FastAPI(
         title="tokenwire",
@@ -51,6 +54,7 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.state.tokenwire = state
     install_error_handlers(app)
+    install_openapi(app)
     app.include_router(info.router)
     app.include_router(tokenize.router)
     app.include_router(render.router)
@@ -72,6 +76,8 @@ async def _load_runtime(state: ServerState) -> None:
         model_dir = await asyncio.to_thread(resolve_model_dir, settings.model, logger.info)
         tokenizer = await asyncio.to_thread(Tokenizer.load, model_dir)
         chat_template = await asyncio.to_thread(_load_chat_template, settings, model_dir, tokenizer)
+        image_pad_id = tokenizer.backend.token_to_id(IMAGE_PAD)
+        media = await MediaService.build(settings, model_dir, image_pad_id, state.metrics)
         engine = HFEngine(
             model_dir,
             max_model_len=settings.max_model_len,
@@ -92,6 +98,7 @@ async def _load_runtime(state: ServerState) -> None:
         engine=engine,
         max_model_len=engine.max_model_len,
         eos_token_ids=frozenset(engine.eos_token_ids),
+        media=media,
     )
     logger.info(
         "model %s ready from %s (max_model_len=%d)",

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from tokenwire.api.responses import OrjsonResponse
+from tokenwire.media.errors import MediaError
 
 logger = logging.getLogger("tokenwire.api")
 
@@ -77,6 +78,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> Response:
         return error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(MediaError)
+    async def _media_error(_: Request, exc: MediaError) -> Response:
+        # Refusals (SSRF rules, limits, bad images or features) are 400; a remote 4xx is 422.
+        return error_response(exc.status, exc.message)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> Response:

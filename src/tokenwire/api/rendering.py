@@ -15,6 +15,8 @@ from typing import Any
 import orjson
 
 from tokenwire.api.errors import APIError, bad_request
+from tokenwire.api.media_inputs import PromptMedia, chat_media_refs
+from tokenwire.api.offload import run_text_work
 from tokenwire.api.state import ModelRuntime, ServerState
 from tokenwire.protocol.chat import ChatMessage, TextPart
 from tokenwire.protocol.tokenize import ChatTemplateOptions
@@ -46,6 +48,33 @@ _MAX_CACHED_REQUEST_TEMPLATES = 16
 class RenderedChat:
     text: str
     token_ids: list[int]
+    # The messages' images and where their (expanded) placeholders sit; None without media.
+    media: PromptMedia | None = None
+
+
+async def render_chat_media(
+    state: ServerState,
+    runtime: ModelRuntime,
+    options: ChatTemplateOptions,
+    *,
+    add_special_tokens: bool,
+) -> RenderedChat:
+    """``render_chat`` plus the messages' media, the path every chat entry point takes.
+
+    Media is fetched and processed first (concurrently, off the event loop), so a text-only model
+    refuses it before any template work; then each image's one ``<|image_pad|>`` is expanded to
+    the image's token count.
+    """
+    refs = chat_media_refs(options.messages)
+    items = await runtime.media.resolve(refs) if refs else []
+    size = sum(len(str(message.content or "")) for message in options.messages)
+    rendered = await run_text_work(
+        size, lambda: render_chat(state, runtime, options, add_special_tokens=add_special_tokens)
+    )
+    if not refs:
+        return rendered
+    prompt = runtime.media.expand(rendered.token_ids, items)
+    return RenderedChat(text=rendered.text, token_ids=prompt.token_ids, media=prompt)
 
 
 def render_chat(

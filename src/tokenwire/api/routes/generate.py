@@ -16,6 +16,7 @@ from tokenwire.api.generation import ChoiceResult, GenerationJob, check_prompt
 from tokenwire.api.logprobs_format import prompt_logprobs_json, token_logprobs_json
 from tokenwire.api.responses import SSE_DONE, OrjsonResponse, sse_event
 from tokenwire.api.state import ModelRuntime, RuntimeDep, ServerState, StateDep
+from tokenwire.engine.base import MultiModalInput
 from tokenwire.protocol.common import RequestModel
 from tokenwire.protocol.generate import GenerateRequest
 
@@ -56,9 +57,8 @@ async def generate(
 ) -> Response:
     state.check_model(body.model)
     request_id = request.headers.get("x-request-id") or body.request_id
-    if body.content_parts is not None or body.features is not None:
-        raise bad_request("this model takes no multimodal input", "content_parts")
-    job = start_job(state, runtime, request_id, body.token_ids, body.sampling_params)
+    prompt_ids, media = await _prompt_media(runtime, body)
+    job = start_job(state, runtime, request_id, prompt_ids, body.sampling_params, media)
     if body.stream:
         return StreamingResponse(
             _stream(state, job, body),
@@ -76,9 +76,9 @@ async def generate(
             "request_id": request_id,
             "model": state.served_name,
             "created": int(time.time()),
-            "usage": _usage(len(body.token_ids), completion_tokens),
+            "usage": _usage(len(prompt_ids), completion_tokens),
             "choices": [_choice_json(result, num_top) for result in results],
-            "prompt_logprobs": prompt_logprobs_json(body.token_ids, job.prompt_logprobs),
+            "prompt_logprobs": prompt_logprobs_json(prompt_ids, job.prompt_logprobs),
         },
         headers={"X-Request-Id": request_id},
     )
@@ -97,6 +97,24 @@ async def abort_requests(
             await job.abort()
             aborted.append(request_id)
     return OrjsonResponse({"aborted": aborted})
+
+
+async def _prompt_media(
+    runtime: ModelRuntime, body: GenerateRequest
+) -> tuple[list[int], MultiModalInput | None]:
+    """The ids the engine runs and their media, from ``content_parts`` or ``features``.
+
+    ``content_parts``: one ``<|image_pad|>`` per image, expanded here to the image's token count
+    (ids whose pad runs already have those lengths, as render returns them, are used as sent).
+    ``features``: ids as render returned them; the ranges are checked against the ids.
+    """
+    if body.content_parts is not None:
+        prompt = await runtime.media.prompt_from_content_parts(body.token_ids, body.content_parts)
+    elif body.features is not None:
+        prompt = await runtime.media.prompt_from_features(body.token_ids, body.features)
+    else:
+        return body.token_ids, None
+    return prompt.token_ids, prompt.engine_input() if prompt.items else None
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -127,7 +145,7 @@ async def _stream(
     continuous = options is not None and options.continuous_usage_stats
     num_top = body.sampling_params.num_logprobs or 0
     wants_logprobs = body.sampling_params.num_logprobs is not None
-    prompt_tokens = len(body.token_ids)
+    prompt_tokens = len(job.prompt_ids)
     completion_tokens = 0
     try:
         async for delta in job.deltas():
@@ -148,7 +166,7 @@ async def _stream(
             }
             if output.prompt_logprobs is not None:
                 chunk["prompt_logprobs"] = prompt_logprobs_json(
-                    body.token_ids, output.prompt_logprobs
+                    job.prompt_ids, output.prompt_logprobs
                 )
             if continuous:
                 chunk["usage"] = _usage(prompt_tokens, completion_tokens)

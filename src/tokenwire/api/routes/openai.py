@@ -27,7 +27,7 @@ from tokenwire.api.disconnect import unless_disconnected
 from tokenwire.api.errors import APIError, error_body
 from tokenwire.api.generation import ChoiceDelta, ChoiceResult, GenerationJob
 from tokenwire.api.offload import run_text_work
-from tokenwire.api.rendering import render_chat
+from tokenwire.api.rendering import render_chat_media
 from tokenwire.api.responses import SSE_DONE, OrjsonResponse, sse_event
 from tokenwire.api.routes.derender import usage
 from tokenwire.api.routes.generate import start_job
@@ -60,15 +60,15 @@ async def chat_completions(
     body: ChatCompletionRequest, request: Request, state: StateDep, runtime: RuntimeDep
 ) -> Response:
     state.check_model(body.model)
-    size = sum(len(str(message.content or "")) for message in body.messages)
-    rendered = await run_text_work(
-        size, lambda: render_chat(state, runtime, body, add_special_tokens=body.add_special_tokens)
+    rendered = await render_chat_media(
+        state, runtime, body, add_special_tokens=body.add_special_tokens
     )
     prompt_ids = rendered.token_ids
     sampling = chat_sampling(runtime, body, prompt_ids)
     request_id = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     parsing = chat_parsing(state, runtime, body, prompt_ids)
-    job = start_job(state, runtime, request_id, prompt_ids, sampling)
+    media = rendered.media.engine_input() if rendered.media is not None else None
+    job = start_job(state, runtime, request_id, prompt_ids, sampling, media)
     created = int(time.time())
     stop_ids = set(body.stop_token_ids or ())
     if body.stream:

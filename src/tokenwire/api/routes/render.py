@@ -5,6 +5,7 @@ Chat render and /tokenize (chat form) both go through ``render_chat``, so they c
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -14,7 +15,7 @@ from starlette.responses import Response
 from tokenwire.api.errors import bad_request
 from tokenwire.api.generation import check_prompt
 from tokenwire.api.offload import run_text_work
-from tokenwire.api.rendering import render_chat
+from tokenwire.api.rendering import render_chat_media
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import ModelRuntime, RuntimeDep, StateDep
 from tokenwire.protocol.generate import SamplingParamsModel
@@ -61,14 +62,19 @@ async def render_chat_completion(
     runtime: RuntimeDep,
 ) -> Response:
     state.check_model(body.model)
-    size = sum(len(str(message.content or "")) for message in body.messages)
-    rendered = await run_text_work(
-        size, lambda: render_chat(state, runtime, body, add_special_tokens=body.add_special_tokens)
+    rendered = await render_chat_media(
+        state, runtime, body, add_special_tokens=body.add_special_tokens
     )
     sampling = chat_sampling(runtime, body, rendered.token_ids)
     request_id = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+    features = None
+    if rendered.media is not None:
+        # Serialising pixel tensors is CPU work of milliseconds: off the event loop.
+        features = await asyncio.to_thread(runtime.media.features_json, rendered.media)
     return OrjsonResponse(
-        generate_request_json(request_id, rendered.token_ids, sampling, body, state.served_name)
+        generate_request_json(
+            request_id, rendered.token_ids, sampling, body, state.served_name, features
+        )
     )
 
 

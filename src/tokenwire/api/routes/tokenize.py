@@ -7,7 +7,7 @@ from starlette.responses import Response
 
 from tokenwire.api.errors import bad_request
 from tokenwire.api.offload import run_text_work
-from tokenwire.api.rendering import render_chat
+from tokenwire.api.rendering import render_chat_media
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import RuntimeDep, StateDep
 from tokenwire.protocol.tokenize import (
@@ -30,10 +30,8 @@ async def tokenize(
     state.check_model(body.model)
     tokenizer = runtime.tokenizer
     if isinstance(body, TokenizeChatRequest):
-        size = sum(len(str(message.content or "")) for message in body.messages)
-        rendered = await run_text_work(
-            size,
-            lambda: render_chat(state, runtime, body, add_special_tokens=body.add_special_tokens),
+        rendered = await render_chat_media(
+            state, runtime, body, add_special_tokens=body.add_special_tokens
         )
         tokens = rendered.token_ids
     else:
