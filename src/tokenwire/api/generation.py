@@ -6,7 +6,6 @@ the abort path: cancelling a job closes its engine streams, which frees their sl
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -14,6 +13,7 @@ from typing import Any
 
 from tokenwire.api.errors import APIError, bad_request
 from tokenwire.api.state import ModelRuntime
+from tokenwire.api.streams import merge
 from tokenwire.engine.base import EngineError, EngineOutput, FinishReason, SamplingParams
 from tokenwire.protocol.generate import SamplingParamsModel
 from tokenwire.text.stop_strings import StopStringMatcher
@@ -115,27 +115,12 @@ class GenerationJob:
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Merged deltas of all choices; leaving early aborts whatever still runs."""
-        queue: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
-        tasks = [
-            asyncio.create_task(self._run_choice(index, engine_id, queue))
+        streams = [
+            self._choice_outputs(index, engine_id)
             for index, engine_id in enumerate(self.engine_ids)
         ]
-        remaining = len(tasks)
-        try:
-            while remaining:
-                item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        async for index, output in merge(streams):
+            yield ChoiceDelta(index, output)
 
     async def collect(self) -> list[ChoiceResult]:
         results = [ChoiceResult(index=i) for i in range(len(self.engine_ids))]
@@ -155,42 +140,30 @@ class GenerationJob:
         for engine_id in self.engine_ids:
             await self.runtime.engine.abort(engine_id)
 
-    async def _run_choice(
-        self,
-        index: int,
-        engine_id: str,
-        queue: asyncio.Queue[ChoiceDelta | BaseException | None],
-    ) -> None:
+    async def _choice_outputs(self, index: int, engine_id: str) -> AsyncIterator[EngineOutput]:
+        """One choice's engine outputs, cut at a stop string; closing it aborts the request."""
         sampling = engine_sampling(self.params, max_tokens=self.max_tokens, choice=index)
         stops = self.params.stop_strings
         matcher = (
             StopStringMatcher(
-                self.runtime.tokenizer,
-                stops,
-                skip_special_tokens=self.params.skip_special_tokens,
+                self.runtime.tokenizer, stops, skip_special_tokens=self.params.skip_special_tokens
             )
             if stops
             else None
         )
+        stream = self.runtime.engine.generate(engine_id, self.prompt_ids, sampling, self.media)
         try:
-            stream = self.runtime.engine.generate(engine_id, self.prompt_ids, sampling, self.media)
             async with contextlib.aclosing(stream):
                 async for output in stream:
                     if output.prompt_logprobs is not None and index == 0:
                         self.prompt_logprobs = output.prompt_logprobs
                     if matcher is not None and output.finish_reason != "abort":
                         output = _cut_at_stop_string(matcher, output)
-                    await queue.put(ChoiceDelta(index, output))
+                    yield output
                     if output.finish_reason is not None:
-                        break
+                        return
         except EngineError as exc:
-            await queue.put(APIError(400, str(exc), "token_ids"))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            await queue.put(exc)
-        finally:
-            await queue.put(None)
+            raise APIError(400, str(exc), "token_ids") from exc
 
 
 def _cut_at_stop_string(matcher: StopStringMatcher, output: EngineOutput) -> EngineOutput:

@@ -22,6 +22,7 @@ from tokenwire.api.errors import bad_request
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import ModelRuntime, RuntimeDep, StateDep
 from tokenwire.api.streaming_derender import derender_chunk
+from tokenwire.api.streams import usage_json
 from tokenwire.protocol.derender import (
     ChatDerenderBody,
     ChatDerenderStreamRequest,
@@ -30,14 +31,6 @@ from tokenwire.protocol.derender import (
 )
 
 router = APIRouter(tags=["derender"])
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
 
 
 @router.post("/v1/chat/completions/derender")
@@ -83,7 +76,7 @@ async def derender_chat(
             "created": response.created or int(time.time()),
             "model": state.served_name,
             "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens),
+            "usage": usage_json(prompt_tokens, completion_tokens),
         }
     )
 
@@ -135,6 +128,6 @@ async def derender_completion(
             "created": first.created or int(time.time()),
             "model": state.served_name,
             "choices": choices,
-            "usage": usage(prompt_total, completion_tokens),
+            "usage": usage_json(prompt_total, completion_tokens),
         }
     )

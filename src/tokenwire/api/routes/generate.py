@@ -11,11 +11,12 @@ from pydantic import Field
 from starlette.responses import Response, StreamingResponse
 
 from tokenwire.api.disconnect import unless_disconnected
-from tokenwire.api.errors import APIError, bad_request, error_body
+from tokenwire.api.errors import bad_request
 from tokenwire.api.generation import ChoiceResult, GenerationJob, check_prompt
 from tokenwire.api.logprobs_format import prompt_logprobs_json, token_logprobs_json
-from tokenwire.api.responses import SSE_DONE, OrjsonResponse, sse_event
+from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import ModelRuntime, RuntimeDep, ServerState, StateDep
+from tokenwire.api.streams import sse_frames, usage_json
 from tokenwire.engine.base import MultiModalInput
 from tokenwire.protocol.common import RequestModel
 from tokenwire.protocol.generate import GenerateRequest
@@ -76,7 +77,7 @@ async def generate(
             "request_id": request_id,
             "model": state.served_name,
             "created": int(time.time()),
-            "usage": _usage(len(prompt_ids), completion_tokens),
+            "usage": usage_json(len(prompt_ids), completion_tokens),
             "choices": [_choice_json(result, num_top) for result in results],
             "prompt_logprobs": prompt_logprobs_json(prompt_ids, job.prompt_logprobs),
         },
@@ -117,14 +118,6 @@ async def _prompt_media(
     return prompt.token_ids, prompt.engine_input() if prompt.items else None
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
 def _choice_json(result: ChoiceResult, num_top: int) -> dict[str, Any]:
     return {
         "index": result.index,
@@ -140,6 +133,14 @@ async def _stream(
     state: ServerState, job: GenerationJob, body: GenerateRequest
 ) -> AsyncIterator[bytes]:
     """SSE chunks; a disconnect cancels this generator, which aborts the job's engine requests."""
+    try:
+        async for frame in sse_frames(_chunks(job, body)):
+            yield frame
+    finally:
+        state.jobs.pop(job.request_id, None)
+
+
+async def _chunks(job: GenerationJob, body: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
     options = body.stream_options
     include_usage = options is not None and options.include_usage
     continuous = options is not None and options.continuous_usage_stats
@@ -147,42 +148,30 @@ async def _stream(
     wants_logprobs = body.sampling_params.num_logprobs is not None
     prompt_tokens = len(job.prompt_ids)
     completion_tokens = 0
-    try:
-        async for delta in job.deltas():
-            output = delta.output
-            completion_tokens += len(output.new_token_ids)
-            chunk: dict[str, Any] = {
-                "request_id": job.request_id,
-                "choices": [
-                    {
-                        "index": delta.index,
-                        "token_ids": output.new_token_ids,
-                        "logprobs": token_logprobs_json(output.logprobs or [], num_top)
-                        if wants_logprobs
-                        else None,
-                        "finish_reason": output.finish_reason,
-                    }
-                ],
-            }
-            if output.prompt_logprobs is not None:
-                chunk["prompt_logprobs"] = prompt_logprobs_json(
-                    job.prompt_ids, output.prompt_logprobs
-                )
-            if continuous:
-                chunk["usage"] = _usage(prompt_tokens, completion_tokens)
-            yield sse_event(chunk)
-        if include_usage:
-            yield sse_event(
+    async for delta in job.deltas():
+        output = delta.output
+        completion_tokens += len(output.new_token_ids)
+        chunk: dict[str, Any] = {
+            "request_id": job.request_id,
+            "choices": [
                 {
-                    "request_id": job.request_id,
-                    "choices": [],
-                    "usage": _usage(prompt_tokens, completion_tokens),
+                    "index": delta.index,
+                    "token_ids": output.new_token_ids,
+                    "logprobs": token_logprobs_json(output.logprobs or [], num_top)
+                    if wants_logprobs
+                    else None,
+                    "finish_reason": output.finish_reason,
                 }
-            )
-    except APIError as exc:
-        yield sse_event(error_body(exc.status, exc.message, exc.param))
-    except Exception:
-        yield sse_event(error_body(500, "Internal error while generating"))
-    finally:
-        state.jobs.pop(job.request_id, None)
-    yield SSE_DONE
+            ],
+        }
+        if output.prompt_logprobs is not None:
+            chunk["prompt_logprobs"] = prompt_logprobs_json(job.prompt_ids, output.prompt_logprobs)
+        if continuous:
+            chunk["usage"] = usage_json(prompt_tokens, completion_tokens)
+        yield chunk
+    if include_usage:
+        yield {
+            "request_id": job.request_id,
+            "choices": [],
+            "usage": usage_json(prompt_tokens, completion_tokens),
+        }

@@ -24,12 +24,11 @@ from tokenwire.api.derendering import (
     text_ids,
 )
 from tokenwire.api.disconnect import unless_disconnected
-from tokenwire.api.errors import APIError, error_body
+from tokenwire.api.errors import APIError
 from tokenwire.api.generation import ChoiceDelta, ChoiceResult, GenerationJob
 from tokenwire.api.offload import run_text_work
 from tokenwire.api.rendering import render_chat_media
-from tokenwire.api.responses import SSE_DONE, OrjsonResponse, sse_event
-from tokenwire.api.routes.derender import usage
+from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.routes.generate import start_job
 from tokenwire.api.routes.render import (
     chat_sampling,
@@ -38,6 +37,7 @@ from tokenwire.api.routes.render import (
 )
 from tokenwire.api.state import ModelRuntime, RuntimeDep, ServerState, StateDep
 from tokenwire.api.streaming_derender import ChoiceStream
+from tokenwire.api.streams import merge, sse_frames, usage_json
 from tokenwire.engine.base import TokenLogprob
 from tokenwire.protocol.openai import ChatCompletionRequest, CompletionRequest
 from tokenwire.text.logprob_tokens import LogprobInput
@@ -85,8 +85,14 @@ async def chat_completions(
                 delta.index, output.new_token_ids, logprobs, output.finish_reason
             )
 
-        return _sse(
-            state, job, body, chunk_choice, "chat.completion.chunk", created, len(prompt_ids)
+        return _sse_many(
+            state,
+            [job],
+            body,
+            lambda _, delta: chunk_choice(delta),
+            created,
+            len(prompt_ids),
+            kind="chat.completion.chunk",
         )
     try:
         results = await unless_disconnected(request, job.collect())
@@ -115,7 +121,7 @@ async def chat_completions(
             "created": created,
             "model": state.served_name,
             "choices": choices,
-            "usage": usage(len(prompt_ids), sum(len(r.token_ids) for r in results)),
+            "usage": usage_json(len(prompt_ids), sum(len(r.token_ids) for r in results)),
         }
     )
 
@@ -192,7 +198,7 @@ async def completions(
             "created": created,
             "model": state.served_name,
             "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens),
+            "usage": usage_json(prompt_tokens, completion_tokens),
         }
     )
 
@@ -218,20 +224,6 @@ def _completion_choice(
     }
 
 
-def _sse(
-    state: ServerState,
-    job: GenerationJob,
-    body: ChatCompletionRequest,
-    chunk_choice: Any,
-    kind: str,
-    created: int,
-    prompt_tokens: int,
-) -> StreamingResponse:
-    return _sse_many(
-        state, [job], body, lambda _, delta: chunk_choice(delta), created, prompt_tokens, kind=kind
-    )
-
-
 def _sse_many(
     state: ServerState,
     jobs: list[GenerationJob],
@@ -245,61 +237,22 @@ def _sse_many(
     stream_id = jobs[0].request_id if len(jobs) == 1 else jobs[0].request_id.rsplit("-", 1)[0]
     options = body.stream_options
     include_usage = options is not None and options.include_usage
+    header = {"id": stream_id, "object": kind, "created": created, "model": state.served_name}
+
+    async def chunks() -> AsyncIterator[dict[str, Any]]:
+        completion_tokens = 0
+        async for job_index, delta in merge([job.deltas() for job in jobs]):
+            completion_tokens += len(delta.output.new_token_ids)
+            yield {**header, "choices": [chunk_choice(job_index, delta)]}
+        if include_usage:
+            yield {**header, "choices": [], "usage": usage_json(prompt_tokens, completion_tokens)}
 
     async def events() -> AsyncIterator[bytes]:
-        completion_tokens = 0
-        queue: asyncio.Queue[tuple[int, ChoiceDelta] | BaseException | None] = asyncio.Queue()
-
-        async def pump(job_index: int, job: GenerationJob) -> None:
-            try:
-                async for delta in job.deltas():
-                    await queue.put((job_index, delta))
-            except Exception as exc:
-                await queue.put(exc)
-            finally:
-                await queue.put(None)
-
-        tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
-        remaining = len(tasks)
         try:
-            while remaining:
-                item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                    continue
-                if isinstance(item, BaseException):
-                    raise item
-                job_index, delta = item
-                completion_tokens += len(delta.output.new_token_ids)
-                yield sse_event(
-                    {
-                        "id": stream_id,
-                        "object": kind,
-                        "created": created,
-                        "model": state.served_name,
-                        "choices": [chunk_choice(job_index, delta)],
-                    }
-                )
-            if include_usage:
-                yield sse_event(
-                    {
-                        "id": stream_id,
-                        "object": kind,
-                        "created": created,
-                        "model": state.served_name,
-                        "choices": [],
-                        "usage": usage(prompt_tokens, completion_tokens),
-                    }
-                )
-        except APIError as exc:
-            yield sse_event(error_body(exc.status, exc.message, exc.param))
-        except Exception:
-            yield sse_event(error_body(500, "Internal error while generating"))
+            async for frame in sse_frames(chunks()):
+                yield frame
         finally:
-            for task in tasks:
-                task.cancel()
             for job in jobs:
                 state.jobs.pop(job.request_id, None)
-        yield SSE_DONE
 
     return StreamingResponse(events(), media_type="text/event-stream")

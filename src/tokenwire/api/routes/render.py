@@ -45,14 +45,42 @@ def generate_request_json(
     }
 
 
+def request_sampling(
+    runtime: ModelRuntime,
+    body: SamplingFields,
+    token_ids: list[int],
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    param: str,
+) -> SamplingParamsModel:
+    """The generate sampling_params of a chat or completion request for this prompt."""
+    max_tokens = check_prompt(runtime, token_ids, max_tokens, param=param)
+    try:
+        return body.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from exc
+
+
 def chat_sampling(
     runtime: ModelRuntime, body: ChatCompletionRequest, token_ids: list[int]
 ) -> SamplingParamsModel:
-    max_tokens = check_prompt(runtime, token_ids, body.requested_max_tokens, param="messages")
-    try:
-        return body.sampling_params(max_tokens=max_tokens, logprobs=body.num_logprobs)
-    except ValueError as exc:
-        raise bad_request(str(exc)) from exc
+    return request_sampling(
+        runtime,
+        body,
+        token_ids,
+        max_tokens=body.requested_max_tokens,
+        logprobs=body.num_logprobs,
+        param="messages",
+    )
+
+
+def completion_sampling(
+    runtime: ModelRuntime, body: CompletionRequest, token_ids: list[int]
+) -> SamplingParamsModel:
+    return request_sampling(
+        runtime, body, token_ids, max_tokens=body.max_tokens, logprobs=body.logprobs, param="prompt"
+    )
 
 
 @router.post("/v1/chat/completions/render")
@@ -86,16 +114,6 @@ def completion_prompt_ids(runtime: ModelRuntime, body: CompletionRequest) -> lis
         else prompt
         for prompt in body.prompts
     ]
-
-
-def completion_sampling(
-    runtime: ModelRuntime, body: CompletionRequest, token_ids: list[int]
-) -> SamplingParamsModel:
-    max_tokens = check_prompt(runtime, token_ids, body.max_tokens, param="prompt")
-    try:
-        return body.sampling_params(max_tokens=max_tokens, logprobs=body.logprobs)
-    except ValueError as exc:
-        raise bad_request(str(exc)) from exc
 
 
 @router.post("/v1/completions/render")
