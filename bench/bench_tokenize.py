@@ -16,7 +16,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from serverbench import ServerProcess, free_port, run_load, tokenwire_command
+from serverbench import LoadResult, ServerProcess, free_port, run_load, tokenwire_command
 
 from tokenwire.assets import prepare
 
@@ -33,54 +33,34 @@ def main() -> None:
     def body(index: int) -> bytes:
         return orjson.dumps({"prompt": f"{PROMPT} {index}"})
 
+    def measure(label: str, command: list[str], port: int) -> tuple[str, LoadResult]:
+        server = ServerProcess(command, port)
+        try:
+            return label, run_load(
+                server.url,
+                server.process.pid,
+                "/tokenize",
+                body,
+                clients=args.clients,
+                requests=args.requests,
+            )
+        finally:
+            server.stop()
+
+    bare_app = str(Path(__file__).parent / "bare_tokenize_app.py")
     rows = []
     for kind, label in (
         ("raw", "bare ASGI + tokenizer"),
         ("fastapi", "bare FastAPI route + tokenizer"),
     ):
         port = free_port()
-        command = [
-            sys.executable,
-            str(Path(__file__).parent / "bare_tokenize_app.py"),
-            str(model_dir),
-            str(port),
-            kind,
-        ]
-        bare = ServerProcess(command, port)
-        try:
-            rows.append(
-                (
-                    label,
-                    run_load(
-                        bare.url,
-                        bare.process.pid,
-                        "/tokenize",
-                        body,
-                        clients=args.clients,
-                        requests=args.requests,
-                    ),
-                )
-            )
-        finally:
-            bare.stop()
-    port = free_port()
-    server = ServerProcess(tokenwire_command(port, "--model", "qwen3-tiny"), port)
-    try:
         rows.append(
-            (
-                "tokenwire /tokenize",
-                run_load(
-                    server.url,
-                    server.process.pid,
-                    "/tokenize",
-                    body,
-                    clients=args.clients,
-                    requests=args.requests,
-                ),
-            )
+            measure(label, [sys.executable, bare_app, str(model_dir), str(port), kind], port)
         )
-    finally:
-        server.stop()
+    port = free_port()
+    rows.append(
+        measure("tokenwire /tokenize", tokenwire_command(port, "--model", "qwen3-tiny"), port)
+    )
 
     from tokenizers import Tokenizer
 
