@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from tokenwire.api.derendering import assistant_message as build_message
@@ -20,7 +20,7 @@ from tokenwire.api.derendering import (
 )
 from tokenwire.api.errors import bad_request
 from tokenwire.api.responses import OrjsonResponse
-from tokenwire.api.state import ModelRuntime, RuntimeDep, StateDep
+from tokenwire.api.state import ModelRuntime, serving
 from tokenwire.api.streaming_derender import derender_chunk
 from tokenwire.api.streams import usage_json
 from tokenwire.protocol.derender import (
@@ -36,9 +36,9 @@ router = APIRouter(tags=["derender"])
 @router.post("/v1/chat/completions/derender")
 async def derender_chat(
     body: ChatDerenderBody,
-    state: StateDep,
-    runtime: RuntimeDep,
+    request: Request,
 ) -> Response:
+    state, runtime = serving(request)
     state.check_model(body.model)
     if isinstance(body, ChatDerenderStreamRequest):
         return OrjsonResponse(derender_chunk(state, runtime, body))
@@ -89,9 +89,8 @@ def choice_ids(runtime: ModelRuntime, choice: GenerateChoiceIn, position: int) -
 
 
 @router.post("/v1/completions/derender")
-async def derender_completion(
-    body: CompletionDerenderRequest, state: StateDep, runtime: RuntimeDep
-) -> Response:
+async def derender_completion(body: CompletionDerenderRequest, request: Request) -> Response:
+    state, runtime = serving(request)
     state.check_model(body.model)
     request = body.completion_request
     stop_ids = (request.stop_token_ids or []) if request else []

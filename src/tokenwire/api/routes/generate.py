@@ -15,7 +15,7 @@ from tokenwire.api.errors import bad_request
 from tokenwire.api.generation import ChoiceResult, GenerationJob, check_prompt
 from tokenwire.api.logprobs_format import prompt_logprobs_json, token_logprobs_json
 from tokenwire.api.responses import OrjsonResponse
-from tokenwire.api.state import ModelRuntime, RuntimeDep, ServerState, StateDep
+from tokenwire.api.state import ModelRuntime, ServerState, serving
 from tokenwire.api.streams import sse_frames, usage_json
 from tokenwire.engine.base import MultiModalInput
 from tokenwire.protocol.common import RequestModel
@@ -53,9 +53,8 @@ def start_job(
 async def generate(
     body: GenerateRequest,
     request: Request,
-    state: StateDep,
-    runtime: RuntimeDep,
 ) -> Response:
+    state, runtime = serving(request)
     state.check_model(body.model)
     request_id = request.headers.get("x-request-id") or body.request_id
     prompt_ids, media = await _prompt_media(runtime, body)
@@ -88,9 +87,9 @@ async def generate(
 @router.post("/abort_requests")
 async def abort_requests(
     body: AbortRequest,
-    state: StateDep,
-    _: RuntimeDep,
+    request: Request,
 ) -> Response:
+    state, _ = serving(request)
     aborted = []
     for request_id in body.request_ids:
         job = state.jobs.get(request_id)

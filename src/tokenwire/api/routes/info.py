@@ -10,7 +10,7 @@ from starlette.responses import Response
 from tokenwire import __version__
 from tokenwire.api.errors import error_response
 from tokenwire.api.responses import OrjsonResponse
-from tokenwire.api.state import RuntimeDep, ServerState, StateDep
+from tokenwire.api.state import ServerState, serving
 
 router = APIRouter(tags=["info"])
 _STARTED = int(time.time())
@@ -18,9 +18,9 @@ _STARTED = int(time.time())
 
 @router.get("/v1/models")
 async def list_models(
-    state: StateDep,
-    runtime: RuntimeDep,
+    request: Request,
 ) -> Response:
+    state, runtime = serving(request)
     root = state.settings.model
     data = [
         {
@@ -53,5 +53,6 @@ async def version() -> Response:
 
 
 @router.get("/metrics")
-async def metrics(state: StateDep) -> Response:
+async def metrics(request: Request) -> Response:
+    state: ServerState = request.app.state.tokenwire
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -35,7 +35,7 @@ from tokenwire.api.routes.render import (
     completion_prompt_ids,
     completion_sampling,
 )
-from tokenwire.api.state import ModelRuntime, RuntimeDep, ServerState, StateDep
+from tokenwire.api.state import ModelRuntime, ServerState, serving
 from tokenwire.api.streaming_derender import ChoiceStream
 from tokenwire.api.streams import merge, sse_frames, usage_json
 from tokenwire.engine.base import TokenLogprob
@@ -56,9 +56,8 @@ def engine_logprobs(entries: list[TokenLogprob], num_top: int) -> LogprobInput:
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(
-    body: ChatCompletionRequest, request: Request, state: StateDep, runtime: RuntimeDep
-) -> Response:
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    state, runtime = serving(request)
     state.check_model(body.model)
     rendered = await render_chat_media(
         state, runtime, body, add_special_tokens=body.add_special_tokens
@@ -127,9 +126,8 @@ async def chat_completions(
 
 
 @router.post("/v1/completions")
-async def completions(
-    body: CompletionRequest, request: Request, state: StateDep, runtime: RuntimeDep
-) -> Response:
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    state, runtime = serving(request)
     state.check_model(body.model)
     size = sum(len(p) for p in body.prompts)
     prompts = await run_text_work(size, lambda: completion_prompt_ids(runtime, body))

@@ -9,7 +9,7 @@ import asyncio
 import uuid
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from tokenwire.api.errors import bad_request
@@ -17,7 +17,7 @@ from tokenwire.api.generation import check_prompt
 from tokenwire.api.offload import run_text_work
 from tokenwire.api.rendering import render_chat_media
 from tokenwire.api.responses import OrjsonResponse
-from tokenwire.api.state import ModelRuntime, RuntimeDep, StateDep
+from tokenwire.api.state import ModelRuntime, serving
 from tokenwire.protocol.generate import SamplingParamsModel
 from tokenwire.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -86,9 +86,9 @@ def completion_sampling(
 @router.post("/v1/chat/completions/render")
 async def render_chat_completion(
     body: ChatCompletionRequest,
-    state: StateDep,
-    runtime: RuntimeDep,
+    request: Request,
 ) -> Response:
+    state, runtime = serving(request)
     state.check_model(body.model)
     rendered = await render_chat_media(
         state, runtime, body, add_special_tokens=body.add_special_tokens
@@ -119,9 +119,9 @@ def completion_prompt_ids(runtime: ModelRuntime, body: CompletionRequest) -> lis
 @router.post("/v1/completions/render")
 async def render_completion(
     body: CompletionRequest,
-    state: StateDep,
-    runtime: RuntimeDep,
+    request: Request,
 ) -> Response:
+    state, runtime = serving(request)
     state.check_model(body.model)
     size = sum(len(p) for p in body.prompts)
     prompts = await run_text_work(size, lambda: completion_prompt_ids(runtime, body))

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from tokenwire.api.errors import bad_request
 from tokenwire.api.offload import run_text_work
 from tokenwire.api.rendering import render_chat_media
 from tokenwire.api.responses import OrjsonResponse
-from tokenwire.api.state import RuntimeDep, StateDep
+from tokenwire.api.state import serving
 from tokenwire.protocol.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -22,11 +22,8 @@ router = APIRouter(tags=["tokenize"])
 
 
 @router.post("/tokenize", response_model=TokenizeResponse)
-async def tokenize(
-    body: TokenizeRequest,
-    state: StateDep,
-    runtime: RuntimeDep,
-) -> Response:
+async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+    state, runtime = serving(request)
     state.check_model(body.model)
     tokenizer = runtime.tokenizer
     if isinstance(body, TokenizeChatRequest):
@@ -53,9 +50,9 @@ async def tokenize(
 @router.post("/detokenize", response_model=DetokenizeResponse)
 async def detokenize(
     body: DetokenizeRequest,
-    state: StateDep,
-    runtime: RuntimeDep,
+    request: Request,
 ) -> Response:
+    state, runtime = serving(request)
     state.check_model(body.model)
     tokenizer = runtime.tokenizer
     for index, token_id in enumerate(body.tokens):
