@@ -32,3 +32,4 @@ bench: install
 	$(PY) bench/bench_tokenize.py
 	$(PY) bench/bench_derender.py
 	$(PY) bench/bench_generate.py
+	$(PY) bench/bench_media.py
