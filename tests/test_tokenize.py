@@ -242,6 +242,15 @@ def test_malformed_json_is_400(qwen3: httpx.Client) -> None:
     assert_error(response, 400)
 
 
+def test_body_without_json_content_type_is_a_clear_400(qwen3: httpx.Client) -> None:
+    response = qwen3.post(
+        "/tokenize",
+        content=b'{"prompt": "x"}',
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+    )
+    assert_error(response, 400, "Content-Type: application/json")
+
+
 def test_unknown_model_is_404(qwen3: httpx.Client) -> None:
     for path, body in [("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})]:
         error = assert_error(

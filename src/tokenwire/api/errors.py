@@ -55,6 +55,10 @@ def error_response(status: int, message: str, param: str | None = None) -> Respo
     return OrjsonResponse(error_body(status, message, param), status_code=status)
 
 
+_UNION_TAGS = frozenset({"chat", "completion", "whole", "stream", "function-after[]"})
+NOT_JSON = "The request body must be JSON: send it with Content-Type: application/json"
+
+
 def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
     """A message that names the offending field, e.g. ``body.tokens.0: Input should be...``."""
     parts = []
@@ -65,7 +69,7 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
             return f"Invalid JSON body (at character {position})", None
         loc = [str(item) for item in error.get("loc", ()) if item != "body"]
         # Tagged unions add the tag to the location; it names no field.
-        loc = [item for item in loc if item not in {"chat", "completion", "function-after[]"}]
+        loc = [item for item in loc if item not in _UNION_TAGS]
         field = ".".join(loc)
         first_param = first_param or field or None
         message = str(error.get("msg", "invalid value"))
@@ -85,7 +89,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status, exc.message)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        content_type = request.headers.get("content-type", "")
+        if request.method == "POST" and "json" not in content_type:
+            # FastAPI only parses JSON bodies sent as JSON (curl -d sends a form type).
+            return error_response(400, NOT_JSON, "Content-Type")
         message, param = describe_validation_error(exc)
         return error_response(400, message, param)
 
