@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 
 from tokenwire.api.derendering import (
+    PLAIN,
     assistant_message,
     chat_finish_reason,
     chat_logprobs_fragment,
@@ -154,7 +155,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             if index not in streams:
                 streams[index] = ChoiceStream.start(
                     runtime,
-                    chat_parsing(state, runtime, None, None),
+                    PLAIN,
                     jobs[job_index].prompt_ids,
                     set(stop_ids),
                 )
