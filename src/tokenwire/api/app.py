@@ -24,6 +24,7 @@ from tokenwire.engine.hf import HFEngine
 from tokenwire.model_source import resolve_model_dir
 from tokenwire.settings import Settings
 from tokenwire.text.chat_template import ChatTemplate, load_model_chat_template
+from tokenwire.text.logprob_tokens import token_table
 from tokenwire.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenwire")
@@ -75,6 +76,8 @@ async def _load_runtime(state: ServerState) -> None:
     try:
         model_dir = await asyncio.to_thread(resolve_model_dir, settings.model, logger.info)
         tokenizer = await asyncio.to_thread(Tokenizer.load, model_dir)
+        # Per-id byte table for logprob token texts: built once here, not on a first request.
+        await asyncio.to_thread(token_table, tokenizer)
         chat_template = await asyncio.to_thread(_load_chat_template, settings, model_dir, tokenizer)
         image_pad_id = tokenizer.backend.token_to_id(IMAGE_PAD)
         media = await MediaService.build(settings, model_dir, image_pad_id, state.metrics)
