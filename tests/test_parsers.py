@@ -6,9 +6,8 @@ import itertools
 import json
 import re
 
-import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.test_logprob_tokens import load
@@ -23,8 +22,6 @@ from tokenwire.parsers import (
     new_parse_state,
     prompt_ends_in_think,
 )
-from tokenwire.text.incremental import StreamingDerenderState, advance, start_stream
-from tokenwire.text.logprob_tokens import LogprobInput, resolve_logprob_tokens
 from tokenwire.text.tokenizer import Tokenizer
 
 CALL = (
@@ -280,63 +277,11 @@ PARSER_SETS = [
 ]
 
 
-def non_streaming(
-    tokenizer: Tokenizer, ids: list[int], reasoning: str | None, tools: str | None, pit: bool
-) -> AssistantMessage:
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    return parse(text, reasoning, tools, prompt_in_think=pit)
-
-
-def streamed(
-    tokenizer: Tokenizer,
-    ids: list[int],
-    cuts: list[int],
-    reasoning: str | None,
-    tools: str | None,
-    pit: bool,
-    *,
-    serialise: bool = True,
-) -> AssistantMessage:
-    """Feed ``ids`` in chunks ending at ``cuts``; join the deltas."""
-    state = start_stream(tokenizer, prompt_in_think=pit)
-    content, reasoning_text, calls = [], [], []
-    bounds = [0, *sorted(set(cuts) - {0, len(ids)}), len(ids)]
-    for start, end in itertools.pairwise(bounds):
-        finished = end == len(ids)
-        delta, state = advance(
-            tokenizer,
-            state,
-            ids[start:end],
-            finished=finished,
-            reasoning_parser=reasoning,
-            tool_parser=tools,
-            tools_enabled=True,
-        )
-        if serialise:
-            state = StreamingDerenderState.loads(state.dumps())
-        content.append(delta.message.content or "")
-        reasoning_text.append(delta.message.reasoning_content or "")
-        for item in delta.message.tool_calls:
-            assert item.index == len(calls)
-            calls.append(item.call)
-    return AssistantMessage("".join(content) or None, "".join(reasoning_text) or None, calls)
-
-
 def same(a: AssistantMessage, b: AssistantMessage) -> None:
     assert (a.content, a.reasoning_content) == (b.content, b.reasoning_content)
     assert [(c.name, c.arguments) for c in a.tool_calls] == [
         (c.name, c.arguments) for c in b.tool_calls
     ]
-
-
-@pytest.mark.parametrize(("reasoning", "tools", "pit"), PARSER_SETS)
-@pytest.mark.parametrize("text", STREAM_TEXTS)
-def test_token_by_token_equals_non_streaming(
-    qwen: Tokenizer, text: str, reasoning: str | None, tools: str | None, pit: bool
-) -> None:
-    ids = qwen.encode(text, add_special_tokens=False)
-    expected = non_streaming(qwen, ids, reasoning, tools, pit)
-    same(streamed(qwen, ids, list(range(len(ids))), reasoning, tools, pit), expected)
 
 
 FRAGMENTS = st.sampled_from(
@@ -347,24 +292,6 @@ FRAGMENTS = st.sampled_from(
         "<function=f>", "plain words.",
     ]
 )  # fmt: skip
-
-
-@settings(
-    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
-@given(
-    parts=st.lists(FRAGMENTS, max_size=14),
-    parsers=st.sampled_from(PARSER_SETS),
-    data=st.data(),
-)
-def test_any_chunking_equals_non_streaming(
-    qwen: Tokenizer, parts: list[str], parsers: tuple, data: st.DataObject
-) -> None:
-    reasoning, tools, pit = parsers
-    ids = qwen.encode("".join(parts), add_special_tokens=False)
-    cuts = data.draw(st.lists(st.integers(0, len(ids)), max_size=6))
-    expected = non_streaming(qwen, ids, reasoning, tools, pit)
-    same(streamed(qwen, ids, cuts, reasoning, tools, pit, serialise=False), expected)
 
 
 @settings(max_examples=100, deadline=None)
@@ -393,62 +320,3 @@ def test_text_level_chunking_equals_one_piece(
         calls.extend(item.call for item in delta.tool_calls)
     joined = AssistantMessage("".join(content) or None, "".join(reasoning_text) or None, calls)
     same(joined, parse(text, reasoning, tools, prompt_in_think=pit))
-
-
-def test_stream_state_is_small_and_opaque(qwen: Tokenizer) -> None:
-    ids = qwen.encode(
-        "<think>" + "long reasoning " * 200 + "</think>done", add_special_tokens=False
-    )
-    state = start_stream(qwen)
-    for token_id in ids:
-        _, state = advance(
-            qwen, state, [token_id], finished=False, reasoning_parser="qwen3",
-            tool_parser="hermes", tools_enabled=True,
-        )  # fmt: skip
-        assert len(state.dumps()) < 300  # held text is at most a partial tag
-    assert state.tokens == len(ids)
-
-
-@pytest.mark.parametrize(
-    "blob", ["", "not base64!", "eyJ2IjoyfQ", "W10", "eyJ2IjoxLCJuIjotMX0"]
-)  # fmt: skip
-def test_bad_state_strings_are_value_errors(blob: str) -> None:
-    with pytest.raises(ValueError):
-        StreamingDerenderState.loads(blob)
-
-
-def test_finished_stream_refuses_more(qwen: Tokenizer) -> None:
-    _, state = advance(
-        qwen, start_stream(qwen), [1], finished=True, reasoning_parser=None,
-        tool_parser=None, tools_enabled=False,
-    )  # fmt: skip
-    with pytest.raises(ValueError, match="finished"):
-        advance(qwen, state, [1], finished=True, reasoning_parser=None, tool_parser=None,
-                tools_enabled=False)  # fmt: skip
-
-
-def test_stream_logprobs_and_stop_token(qwen: Tokenizer) -> None:
-    """Logprob JSON per chunk equals the one-pass resolution; the stop token is not content."""
-    ids = [*qwen.encode("<think>x</think>Hi 龘🫠!", add_special_tokens=False), qwen.eos_token_id]
-    entries = [(t, -0.5, [(t, -0.5), (9284, -2.0)]) for t in ids]
-    expected = [r.to_json() for r in resolve_logprob_tokens(qwen, ids, entries)]
-    state = start_stream(qwen)
-    got, content = [], ""
-    for i, token_id in enumerate(ids):
-        finished = i == len(ids) - 1
-        delta, state = advance(
-            qwen,
-            state,
-            [token_id],
-            finished=finished,
-            reasoning_parser="qwen3",
-            tool_parser="hermes",
-            tools_enabled=True,
-            logprobs=LogprobInput.from_entries(entries[i : i + 1]),
-            drop_stop_token=finished,
-        )
-        assert delta.logprobs_json is not None
-        got.extend(orjson.loads(delta.logprobs_json)["content"])
-        content += delta.message.content or ""
-    assert got == expected
-    assert content == "Hi 龘🫠!"

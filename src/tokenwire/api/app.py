@@ -19,33 +19,34 @@ from tokenwire.api.media_inputs import IMAGE_PAD, MediaService
 from tokenwire.api.metrics import Metrics, MetricsMiddleware
 from tokenwire.api.openapi import install_openapi
 from tokenwire.api.routes import derender, generate, info, openai, render, tokenize
-from tokenwire.api.state import ModelRuntime, ServerState
 from tokenwire.engine.hf import HFEngine
 from tokenwire.model_source import resolve_model_dir
+from tokenwire.pipeline.context import ModelRuntime, Pipeline, ServingConfig
 from tokenwire.settings import Settings
 from tokenwire.text.chat_template import ChatTemplate, load_model_chat_template
-from tokenwire.text.logprob_tokens import token_table
+from tokenwire.text.logprob_tokens import TokenTextDecoder, token_table
 from tokenwire.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenwire")
 
 
 def create_app(settings: Settings) -> FastAPI:
-    state = ServerState(settings=settings, metrics=Metrics())
+    pipeline = Pipeline(config=ServingConfig.from_settings(settings))
+    metrics = Metrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        loading = asyncio.create_task(_load_runtime(state))
+        loading = asyncio.create_task(_load_runtime(pipeline, settings, metrics))
         try:
             yield
         finally:
-            state.shutting_down = True
+            pipeline.shutting_down = True
             loading.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await loading
-            if state.runtime is not None:
-                await state.runtime.engine.shutdown()
-                await state.runtime.media.aclose()
+            if pipeline.runtime is not None:
+                await pipeline.runtime.engine.shutdown()
+                await pipeline.runtime.media.aclose()
 
     app = FastAPI(
         title="tokenwire",
@@ -53,7 +54,8 @@ def create_app(settings: Settings) -> FastAPI:
         summary="Token-in/token-out LLM server for reinforcement-learning loops",
         lifespan=lifespan,
     )
-    app.state.tokenwire = state
+    app.state.pipeline = pipeline
+    app.state.metrics = metrics
     install_error_handlers(app)
     install_openapi(app)
     app.include_router(info.router)
@@ -66,21 +68,20 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
-    app.add_middleware(MetricsMiddleware, metrics=state.metrics)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.add_middleware(RequestIdMiddleware)
     return app
 
 
-async def _load_runtime(state: ServerState) -> None:
-    settings = state.settings
+async def _load_runtime(pipeline: Pipeline, settings: Settings, metrics: Metrics) -> None:
     try:
         model_dir = await asyncio.to_thread(resolve_model_dir, settings.model, logger.info)
         tokenizer = await asyncio.to_thread(Tokenizer.load, model_dir)
-        # Per-id byte table for logprob token texts: built once here, not on a first request.
-        await asyncio.to_thread(token_table, tokenizer)
+        # Per-id byte table for token texts: built once here, not on a first request.
+        table = await asyncio.to_thread(token_table, tokenizer)
         chat_template = await asyncio.to_thread(_load_chat_template, settings, model_dir, tokenizer)
         image_pad_id = tokenizer.backend.token_to_id(IMAGE_PAD)
-        media = await MediaService.build(settings, model_dir, image_pad_id, state.metrics)
+        media = await MediaService.build(settings, model_dir, image_pad_id, metrics)
         engine = HFEngine(
             model_dir,
             max_model_len=settings.max_model_len,
@@ -91,21 +92,23 @@ async def _load_runtime(state: ServerState) -> None:
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        state.load_error = f"Model failed to load: {exc}"
+        pipeline.load_error = f"Model failed to load: {exc}"
         logger.exception("model failed to load")
         return
-    state.metrics.watch_engine(engine.stats)
-    state.runtime = ModelRuntime(
+    metrics.watch_engine(engine.stats)
+    pipeline.runtime = ModelRuntime(
         tokenizer=tokenizer,
         chat_template=chat_template,
         engine=engine,
         max_model_len=engine.max_model_len,
+        vocab_size=min(tokenizer.vocab_size, engine.vocab_size),
         eos_token_ids=frozenset(engine.eos_token_ids),
         media=media,
+        decoder=TokenTextDecoder(tokenizer, table),
     )
     logger.info(
         "model %s ready from %s (max_model_len=%d)",
-        state.served_name,
+        pipeline.config.served_name,
         model_dir,
         engine.max_model_len,
     )

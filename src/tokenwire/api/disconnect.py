@@ -9,7 +9,7 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from tokenwire.api.errors import APIError
+from tokenwire.pipeline.errors import ClientGone
 
 T = TypeVar("T")
 
@@ -28,7 +28,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-                raise APIError(499, "Client disconnected")
+                raise ClientGone("Client disconnected")
     finally:
         if not task.done():
             task.cancel()

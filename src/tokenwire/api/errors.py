@@ -16,6 +16,13 @@ from starlette.responses import Response
 
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.media.errors import MediaError
+from tokenwire.pipeline.errors import (
+    ClientGone,
+    InvalidRequest,
+    NotReady,
+    PipelineError,
+    UnknownModel,
+)
 
 logger = logging.getLogger("tokenwire.api")
 
@@ -44,6 +51,28 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
+
+
+# The pipeline's domain errors and the HTTP status each one means.
+PIPELINE_STATUS: dict[type[PipelineError], int] = {
+    InvalidRequest: 400,
+    UnknownModel: 404,
+    ClientGone: 499,
+    NotReady: 503,
+}
+
+
+def expected_error(exc: BaseException) -> tuple[int, str, str | None] | None:
+    """Status, message and param of a failure the client caused or should be told about;
+    None for a bug (a 500)."""
+    if isinstance(exc, PipelineError):
+        return PIPELINE_STATUS.get(type(exc), 400), exc.message, exc.param
+    if isinstance(exc, MediaError):
+        # Refusals (SSRF rules, limits, bad images or features) are 400; a remote 4xx is 422.
+        return exc.status, exc.message, None
+    if isinstance(exc, APIError):
+        return exc.status, exc.message, exc.param
+    return None
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, object]:
@@ -79,14 +108,12 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> Response:
-        return error_response(exc.status, exc.message, exc.param)
+    async def _expected(_: Request, exc: Exception) -> Response:
+        status, message, param = expected_error(exc) or (500, "Internal server error", None)
+        return error_response(status, message, param)
 
-    @app.exception_handler(MediaError)
-    async def _media_error(_: Request, exc: MediaError) -> Response:
-        # Refusals (SSRF rules, limits, bad images or features) are 400; a remote 4xx is 422.
-        return error_response(exc.status, exc.message)
+    for kind in (APIError, PipelineError, MediaError):
+        app.add_exception_handler(kind, _expected)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:

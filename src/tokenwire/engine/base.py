@@ -71,6 +71,9 @@ class EngineOutput:
     new_token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
+    # Why a "stop" finish happened, as vLLM reports it: the stop token id of a stop_token_ids
+    # hit, the stop string (set above the engine), None for eos.
+    stop_reason: int | str | None = None
     # Sent once, with the first output: None for the first prompt position.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_prompt_tokens: int = 0

@@ -52,6 +52,8 @@ class GenerateChoiceIn(RequestModel):
     token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     logprobs: LogprobsIn | None = None
     finish_reason: str | None = None
+    # The stop token id or stop string that ended the choice, as generate reports it.
+    stop_reason: int | str | None = None
 
 
 class GenerateResponseIn(RequestModel):

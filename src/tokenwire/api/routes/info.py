@@ -9,41 +9,41 @@ from starlette.responses import Response
 
 from tokenwire import __version__
 from tokenwire.api.errors import error_response
+from tokenwire.api.metrics import Metrics
 from tokenwire.api.responses import OrjsonResponse
-from tokenwire.api.state import ServerState, serving
+from tokenwire.api.state import pipeline_of
 
 router = APIRouter(tags=["info"])
 _STARTED = int(time.time())
 
 
 @router.get("/v1/models")
-async def list_models(
-    request: Request,
-) -> Response:
-    state, runtime = serving(request)
-    root = state.settings.model
+async def list_models(request: Request) -> Response:
+    pipeline = pipeline_of(request)
+    runtime = pipeline.ready()
+    config = pipeline.config
     data = [
         {
             "id": name,
             "object": "model",
             "created": _STARTED,
             "owned_by": "tokenwire",
-            "root": root,
+            "root": config.model_root,
             "parent": None,
             "max_model_len": runtime.max_model_len,
         }
-        for name in state.settings.model_names
+        for name in config.model_names
     ]
     return OrjsonResponse({"object": "list", "data": data})
 
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    state: ServerState = request.app.state.tokenwire
-    if state.shutting_down:
+    pipeline = pipeline_of(request)
+    if pipeline.shutting_down:
         return error_response(503, "The server is shutting down")
-    if state.runtime is None:
-        return error_response(503, state.load_error or "The model is loading")
+    if pipeline.runtime is None:
+        return error_response(503, pipeline.load_error or "The model is loading")
     return Response(status_code=200)
 
 
@@ -54,5 +54,5 @@ async def version() -> Response:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    state: ServerState = request.app.state.tokenwire
-    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    registry: Metrics = request.app.state.metrics
+    return Response(registry.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,8 +1,10 @@
-"""Chat messages -> prompt text -> prompt ids: the one path /tokenize (chat form) and render share.
+"""Chat messages -> prompt text -> prompt ids: the one path of /tokenize (chat form), render and
+chat completions.
 
-Messages reach the template as plain dicts, shaped as vLLM shapes them: tool-call arguments sent
-as JSON strings become objects (templates ``tojson`` them), and text-only content lists become
-one string unless the template iterates over content parts itself.
+Messages reach the template as plain dicts, shaped as vLLM shapes them: null or missing content
+becomes ``""`` (a tool-call-only assistant turn fed back), tool-call arguments sent as JSON
+strings become objects (templates ``tojson`` them), and text-only content lists become one
+string unless the template iterates over content parts itself.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ from typing import Any
 
 import orjson
 
-from tokenwire.api.errors import APIError, bad_request
 from tokenwire.api.media_inputs import PromptMedia, chat_media_refs
-from tokenwire.api.offload import run_text_work
-from tokenwire.api.state import ModelRuntime, ServerState
+from tokenwire.pipeline.context import MAX_CACHED_REQUEST_TEMPLATES, ModelRuntime, Pipeline
+from tokenwire.pipeline.errors import InvalidRequest
+from tokenwire.pipeline.offload import run_text_work
 from tokenwire.protocol.chat import ChatMessage, TextPart
 from tokenwire.protocol.tokenize import ChatTemplateOptions
 from tokenwire.text.chat_template import ChatTemplate, ChatTemplateError
@@ -41,7 +43,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
     }
 )
 _ITERATES_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+(\[['\"]content['\"]\]|\.content)")
-_MAX_CACHED_REQUEST_TEMPLATES = 16
 
 
 @dataclass(slots=True)
@@ -52,14 +53,14 @@ class RenderedChat:
     media: PromptMedia | None = None
 
 
-async def render_chat_media(
-    state: ServerState,
+async def render_chat(
+    pipeline: Pipeline,
     runtime: ModelRuntime,
     options: ChatTemplateOptions,
     *,
     add_special_tokens: bool,
 ) -> RenderedChat:
-    """``render_chat`` plus the messages' media, the path every chat entry point takes.
+    """Messages (with their media) -> prompt ids, the path every chat entry point takes.
 
     Media is fetched and processed first (concurrently, off the event loop), so a text-only model
     refuses it before any template work; then each image's one ``<|image_pad|>`` is expanded to
@@ -69,7 +70,7 @@ async def render_chat_media(
     items = await runtime.media.resolve(refs) if refs else []
     size = sum(len(str(message.content or "")) for message in options.messages)
     rendered = await run_text_work(
-        size, lambda: render_chat(state, runtime, options, add_special_tokens=add_special_tokens)
+        size, lambda: render_chat_text(pipeline, runtime, options, add_special_tokens)
     )
     if not refs:
         return rendered
@@ -77,21 +78,21 @@ async def render_chat_media(
     return RenderedChat(text=rendered.text, token_ids=prompt.token_ids, media=prompt)
 
 
-def render_chat(
-    state: ServerState,
+def render_chat_text(
+    pipeline: Pipeline,
     runtime: ModelRuntime,
     options: ChatTemplateOptions,
-    *,
     add_special_tokens: bool,
 ) -> RenderedChat:
-    template = _template_for(state, runtime, options)
-    kwargs = dict(options.chat_template_kwargs or {})
-    kwargs.pop("chat_template", None)
-    kwargs = {k: v for k, v in kwargs.items() if k not in RESERVED_TEMPLATE_KWARGS}
-    messages = [
-        _message_for_template(message, template_iterates_content(template))
-        for message in options.messages
-    ]
+    """The template's text and its ids, without media (placeholders stay single tokens)."""
+    template = _template_for(pipeline, runtime, options)
+    kwargs = {
+        key: value
+        for key, value in (options.chat_template_kwargs or {}).items()
+        if key not in RESERVED_TEMPLATE_KWARGS
+    }
+    iterates_content = bool(_ITERATES_CONTENT.search(template.source))
+    messages = [_message_for_template(message, iterates_content) for message in options.messages]
     tools = (
         [tool.model_dump(exclude_unset=True) for tool in options.tools] if options.tools else None
     )
@@ -104,30 +105,26 @@ def render_chat(
             **kwargs,
         )
     except ChatTemplateError as exc:
-        raise bad_request(str(exc), "messages") from exc
+        raise InvalidRequest(str(exc), "messages") from exc
     token_ids = runtime.tokenizer.encode(text, add_special_tokens=add_special_tokens)
     return RenderedChat(text=text, token_ids=token_ids)
 
 
-def template_iterates_content(template: ChatTemplate) -> bool:
-    return bool(_ITERATES_CONTENT.search(template.source))
-
-
 def _template_for(
-    state: ServerState, runtime: ModelRuntime, options: ChatTemplateOptions
+    pipeline: Pipeline, runtime: ModelRuntime, options: ChatTemplateOptions
 ) -> ChatTemplate:
     source = options.chat_template or (options.chat_template_kwargs or {}).get("chat_template")
     if source is None:
         if runtime.chat_template is None:
-            raise bad_request(
+            raise InvalidRequest(
                 "This model has no chat template; pass --chat-template to the server", "messages"
             )
         return runtime.chat_template
-    if not state.settings.trust_request_chat_template:
-        raise bad_request(UNTRUSTED_TEMPLATE, "chat_template")
+    if not pipeline.config.trust_request_chat_template:
+        raise InvalidRequest(UNTRUSTED_TEMPLATE, "chat_template")
     if not isinstance(source, str):
-        raise bad_request("chat_template must be a string", "chat_template")
-    cache = state.request_templates
+        raise InvalidRequest("chat_template must be a string", "chat_template")
+    cache = pipeline.request_templates
     template = cache.get(source)
     if template is None:
         try:
@@ -137,9 +134,9 @@ def _template_for(
                 allow_jinja2_fallback=False,
             )
         except ChatTemplateError as exc:
-            raise APIError(400, f"Invalid chat template: {exc}", "chat_template") from exc
+            raise InvalidRequest(f"Invalid chat template: {exc}", "chat_template") from exc
         cache[source] = template
-        while len(cache) > _MAX_CACHED_REQUEST_TEMPLATES:
+        while len(cache) > MAX_CACHED_REQUEST_TEMPLATES:
             cache.popitem(last=False)
     else:
         cache.move_to_end(source)
@@ -149,7 +146,9 @@ def _template_for(
 def _message_for_template(message: ChatMessage, iterates_content: bool) -> dict[str, Any]:
     data = message.model_dump(exclude_unset=True)
     content = message.content
-    if isinstance(content, list):
+    if content is None:
+        data["content"] = ""
+    elif isinstance(content, list):
         if not iterates_content and all(isinstance(part, TextPart) for part in content):
             data["content"] = "\n".join(part.text for part in content if isinstance(part, TextPart))
         else:

@@ -1,0 +1,99 @@
+"""What every pipeline call reads: the serving config and the loaded model, built once.
+
+``Settings`` (flags and environment) are resolved here, at start-up, into runtime objects
+(parser instances, limits); nothing below reads a flag by name.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from tokenwire.api.media_inputs import MediaService
+from tokenwire.engine.base import Engine
+from tokenwire.parsers import ReasoningParser, ToolParser, get_reasoning_parser, get_tool_parser
+from tokenwire.pipeline.errors import NotReady, UnknownModel
+from tokenwire.pipeline.jobs import JobRegistry
+from tokenwire.settings import Settings
+from tokenwire.text.chat_template import ChatTemplate
+from tokenwire.text.logprob_tokens import TokenTextDecoder
+from tokenwire.text.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class ServingConfig:
+    """The request-path parts of ``Settings``, resolved once."""
+
+    model_names: tuple[str, ...]
+    model_root: str
+    reasoning_parser: ReasoningParser | None
+    tool_parser: ToolParser | None
+    enable_auto_tool_choice: bool
+    trust_request_chat_template: bool
+    max_n: int
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ServingConfig:
+        return cls(
+            model_names=settings.model_names,
+            model_root=settings.model,
+            reasoning_parser=(
+                get_reasoning_parser(settings.reasoning_parser)
+                if settings.reasoning_parser
+                else None
+            ),
+            tool_parser=(
+                get_tool_parser(settings.tool_call_parser) if settings.tool_call_parser else None
+            ),
+            enable_auto_tool_choice=settings.enable_auto_tool_choice,
+            trust_request_chat_template=settings.trust_request_chat_template,
+            max_n=settings.max_n,
+        )
+
+    @property
+    def served_name(self) -> str:
+        return self.model_names[0]
+
+
+@dataclass(slots=True)
+class ModelRuntime:
+    """The loaded model: available once loading finished."""
+
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate | None
+    engine: Engine
+    max_model_len: int
+    # The one vocabulary bound of every id check: ids the model embeds and the tokenizer decodes.
+    vocab_size: int
+    # Ids that end a choice on their own (eos); never part of the text a client reads.
+    eos_token_ids: frozenset[int]
+    # Fetches and processes media for every entry point; refuses it for text-only models.
+    media: MediaService
+    # Exact token texts and incremental decoding: every path from ids to text goes through it.
+    decoder: TokenTextDecoder
+
+
+# Request-supplied templates (trusted servers only) compiled once, least recently used out.
+MAX_CACHED_REQUEST_TEMPLATES = 16
+
+
+@dataclass(slots=True)
+class Pipeline:
+    """The server's state as the pipeline sees it; one per app."""
+
+    config: ServingConfig
+    runtime: ModelRuntime | None = None
+    shutting_down: bool = False
+    load_error: str | None = None
+    jobs: JobRegistry = field(default_factory=JobRegistry)
+    request_templates: OrderedDict[str, ChatTemplate] = field(default_factory=OrderedDict)
+
+    def ready(self, model: str | None = None) -> ModelRuntime:
+        """The loaded model for a request naming ``model`` (missing or empty: the served one)."""
+        if self.runtime is None or self.shutting_down:
+            raise NotReady(
+                "The server is shutting down" if self.shutting_down else "The model is loading"
+            )
+        if model and model not in self.config.model_names:
+            raise UnknownModel(model)
+        return self.runtime

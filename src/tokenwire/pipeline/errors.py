@@ -1,0 +1,31 @@
+"""Domain errors of the pipeline; ``api.errors`` is the one place that maps them to HTTP."""
+
+from __future__ import annotations
+
+
+class PipelineError(Exception):
+    """A request the pipeline will not serve; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequest(PipelineError):
+    """The client sent something wrong (HTTP 400)."""
+
+
+class UnknownModel(PipelineError):
+    """The request names a model this server does not serve (HTTP 404)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"The model `{name}` does not exist.", "model")
+
+
+class NotReady(PipelineError):
+    """The model is loading or the server is shutting down (HTTP 503)."""
+
+
+class ClientGone(PipelineError):
+    """The client went away before its answer was ready (HTTP 499)."""

@@ -1,0 +1,113 @@
+"""Every check of a request against the served model, in one place.
+
+Schema checks (types, ranges) are pydantic's, in ``protocol``; what needs the model (its
+vocabulary, context length, the server's limits) is checked here, once, with one vocabulary
+size for every path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tokenwire.pipeline.context import ModelRuntime, ServingConfig
+from tokenwire.pipeline.errors import InvalidRequest
+from tokenwire.protocol.generate import SamplingParamsModel
+from tokenwire.protocol.openai import SamplingFields
+from tokenwire.text.logprob_tokens import LogprobInput
+
+
+def check_token_ids(runtime: ModelRuntime, token_ids: Sequence[int], param: str) -> None:
+    """Every id inside the vocabulary (schemas already refused negatives)."""
+    vocab_size = runtime.vocab_size
+    for index, token_id in enumerate(token_ids):
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequest(
+                f"{param}.{index}: token id {token_id} is out of vocabulary "
+                f"(ids outside the vocabulary 0..{vocab_size - 1} have no token)",
+                param,
+            )
+
+
+def check_prompt(
+    runtime: ModelRuntime, token_ids: Sequence[int], max_tokens: int | None, *, param: str
+) -> int:
+    """Validate a prompt against the model; return the max_tokens to use (default: what fits)."""
+    if not token_ids:
+        raise InvalidRequest("The prompt is empty", param)
+    check_token_ids(runtime, token_ids, param)
+    limit = runtime.max_model_len
+    if len(token_ids) >= limit:
+        raise InvalidRequest(
+            f"The prompt has {len(token_ids)} tokens, but this model's maximum context length is "
+            f"{limit} tokens, which leaves no room for output.",
+            param,
+        )
+    room = limit - len(token_ids)
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise InvalidRequest(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{len(token_ids) + max_tokens} tokens ({len(token_ids)} in the prompt, "
+            f"{max_tokens} for the completion).",
+            "max_tokens",
+        )
+    return max_tokens
+
+
+def check_n(config: ServingConfig, n: int) -> None:
+    if n > config.max_n:
+        raise InvalidRequest(f"n must be at most {config.max_n}, got {n}", "n")
+
+
+def check_output_ids(runtime: ModelRuntime, token_ids: Sequence[int] | None, where: str) -> None:
+    """Output ids sent back for derendering: present, within the context and the vocabulary."""
+    if not token_ids:
+        raise InvalidRequest(f"{where} has empty or null token_ids", "token_ids")
+    if len(token_ids) > runtime.max_model_len:
+        raise InvalidRequest(
+            f"{where} has {len(token_ids)} token ids, more than max_model_len "
+            f"({runtime.max_model_len})",
+            "token_ids",
+        )
+    check_token_ids(runtime, token_ids, "token_ids")
+
+
+def request_sampling(
+    runtime: ModelRuntime,
+    body: SamplingFields,
+    token_ids: list[int],
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    param: str,
+) -> SamplingParamsModel:
+    """The generate ``sampling_params`` of a chat or completion request for this prompt."""
+    max_tokens = check_prompt(runtime, token_ids, max_tokens, param=param)
+    try:
+        return body.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+
+
+def logprob_columns(entries: Sequence[Any], token_ids: Sequence[int], where: str) -> LogprobInput:
+    """A client's logprob entries (each with token_id, logprob, top_logprobs) as columns."""
+    if len(entries) != len(token_ids):
+        raise InvalidRequest(
+            f"{where} has {len(entries)} logprob entries for {len(token_ids)} token ids",
+            "logprobs",
+        )
+    for position, (entry, token_id) in enumerate(zip(entries, token_ids, strict=True)):
+        if entry.token_id != token_id:
+            raise InvalidRequest(
+                f"{where}: logprob entry {position} is for token {entry.token_id}, "
+                f"but the token there is {token_id}",
+                "logprobs",
+            )
+    return LogprobInput(
+        token_ids=[entry.token_id for entry in entries],
+        logprobs=[entry.logprob for entry in entries],
+        top_ids=[[top.token_id for top in entry.top_logprobs] for entry in entries],
+        top_logprobs=[[top.logprob for top in entry.top_logprobs] for entry in entries],
+    )
