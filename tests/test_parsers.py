@@ -24,7 +24,7 @@ from tokenwire.parsers import (
     prompt_ends_in_think,
 )
 from tokenwire.text.incremental import StreamingDerenderState, advance, start_stream
-from tokenwire.text.logprob_tokens import LogprobInput, resolve_logprob_tokens
+from tokenwire.text.token_text import LogprobInput, resolve_logprob_tokens
 from tokenwire.text.tokenizer import Tokenizer
 
 CALL = (

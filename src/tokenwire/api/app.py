@@ -24,7 +24,7 @@ from tokenwire.engine.hf import HFEngine
 from tokenwire.model_source import resolve_model_dir
 from tokenwire.settings import Settings
 from tokenwire.text.chat_template import ChatTemplate, load_model_chat_template
-from tokenwire.text.logprob_tokens import token_table
+from tokenwire.text.token_table import token_table
 from tokenwire.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenwire")

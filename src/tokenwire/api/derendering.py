@@ -17,7 +17,8 @@ from tokenwire.api.rendering import render_chat
 from tokenwire.api.state import ModelRuntime, ServerState
 from tokenwire.parsers import AssistantMessage, build_assistant_message, prompt_ends_in_think
 from tokenwire.protocol.openai import ChatCompletionRequest
-from tokenwire.text.logprob_tokens import LogprobInput, chat_logprobs_json, resolve_logprob_tokens
+from tokenwire.text.logprob_json import chat_logprobs_json
+from tokenwire.text.token_text import LogprobInput, resolve_logprob_tokens
 
 # Enough prompt tail to see an open <think> however the template spells it.
 _PROMPT_TAIL_TOKENS = 64

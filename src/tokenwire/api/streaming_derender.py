@@ -19,7 +19,7 @@ from tokenwire.api.errors import bad_request
 from tokenwire.api.state import ModelRuntime, ServerState
 from tokenwire.protocol.derender import ChatDerenderStreamRequest, GenerateChoiceIn
 from tokenwire.text.incremental import StreamingDerenderState, advance, start_stream
-from tokenwire.text.logprob_tokens import LogprobInput
+from tokenwire.text.token_text import LogprobInput
 
 _MAX_STATE_CHARS = 1 << 20
 

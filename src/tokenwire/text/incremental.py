@@ -28,13 +28,9 @@ from ..parsers import (
     advance_text,
     new_parse_state,
 )
-from .logprob_tokens import (
-    DecodeContext,
-    LogprobInput,
-    TokenizerLike,
-    TokenTextDecoder,
-    token_table,
-)
+from .logprob_json import chat_logprobs_json_from
+from .token_table import DecodeContext, TokenizerLike, token_table
+from .token_text import LogprobInput, TokenTextDecoder
 
 STATE_VERSION = 1
 
@@ -138,8 +134,8 @@ def advance(
     )
     logprobs_json = None
     if logprobs is not None:
-        logprobs_json, new.logprob_context = decoder.chat_logprobs_json(
-            logprobs, ids, context=state.logprob_context, final=finished
+        logprobs_json, new.logprob_context = chat_logprobs_json_from(
+            decoder, logprobs, ids, context=state.logprob_context, final=finished
         )
     else:  # keep the logprob decoder in step for later chunks that do ask for logprobs
         new.logprob_context = decoder.resolve(

@@ -41,7 +41,7 @@ from tokenwire.api.streaming_derender import ChoiceStream
 from tokenwire.api.streams import merge, sse_frames, usage_json
 from tokenwire.engine.base import TokenLogprob
 from tokenwire.protocol.openai import ChatCompletionRequest, CompletionRequest
-from tokenwire.text.logprob_tokens import LogprobInput
+from tokenwire.text.token_text import LogprobInput
 
 router = APIRouter(tags=["openai"])
 
