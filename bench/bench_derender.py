@@ -26,12 +26,9 @@ from typing import Any
 import orjson
 
 from tokenwire.assets import prepare
-from tokenwire.text.logprob_tokens import (
-    CONTEXT_TOKENS,
-    LogprobInput,
-    TokenTextDecoder,
-    token_table,
-)
+from tokenwire.text.logprob_json import chat_logprobs_json_from
+from tokenwire.text.token_table import CONTEXT_TOKENS, token_table
+from tokenwire.text.token_text import LogprobInput, TokenTextDecoder
 from tokenwire.text.tokenizer import Tokenizer
 
 TOP_K = 5
@@ -120,7 +117,7 @@ def response_json(request_id: str, content: str, logprobs: Any) -> bytes:
 def tokenwire_derender(
     decoder: TokenTextDecoder, ids: list[int], logprobs: LogprobInput
 ) -> tuple[bytes, list[str]]:
-    body, _ = decoder.chat_logprobs_json(logprobs, ids)
+    body, _ = chat_logprobs_json_from(decoder, logprobs, ids)
     content = decoder.tokenizer.decode(ids, skip_special_tokens=True)
     return response_json("chatcmpl-bench", content, orjson.Fragment(body)), []
 

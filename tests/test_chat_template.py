@@ -26,7 +26,7 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import models as tokenizer_models
 from transformers import PreTrainedTokenizerFast
 
-import tokenwire.text.chat_template as tw_chat_template
+import tokenwire.text.chat_template.filters as tw_template_filters
 from tokenwire.assets import llama_cpp_models_dir
 from tokenwire.text.chat_template import (
     ChatTemplate,
@@ -206,7 +206,7 @@ def frozen_clock(monkeypatch: pytest.MonkeyPatch) -> None:
             return cls.fromtimestamp(FROZEN_NOW.timestamp(), tz)
 
     monkeypatch.setattr(hf_chat_template, "datetime", FrozenDatetime)
-    monkeypatch.setattr(tw_chat_template, "datetime", FrozenDatetime)
+    monkeypatch.setattr(tw_template_filters, "datetime", FrozenDatetime)
 
 
 @functools.cache

@@ -14,7 +14,7 @@ from tests.test_logprob_tokens import load
 from tests.test_parsers import FRAGMENTS, PARSER_SETS, STREAM_TEXTS, parse, same
 from tokenwire.parsers import AssistantMessage, get_reasoning_parser, get_tool_parser
 from tokenwire.pipeline.decoder import ChoiceDecoder, ChoiceState, DecodeOptions, Parsing
-from tokenwire.text.logprob_tokens import LogprobInput, TokenTextDecoder, resolve_logprob_tokens
+from tokenwire.text.token_text import LogprobInput, TokenTextDecoder, resolve_logprob_tokens
 from tokenwire.text.tokenizer import Tokenizer
 
 

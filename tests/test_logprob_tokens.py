@@ -11,15 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenwire.assets import prepare
-from tokenwire.text.logprob_tokens import (
-    DecodeContext,
-    LogprobInput,
-    TokenTable,
-    TokenTextDecoder,
-    chat_logprobs_json,
-    resolve_logprob_tokens,
-    token_table,
-)
+from tokenwire.text.logprob_json import chat_logprobs_json, chat_logprobs_json_from
+from tokenwire.text.token_table import DecodeContext, TokenTable, token_table
+from tokenwire.text.token_text import LogprobInput, TokenTextDecoder, resolve_logprob_tokens
 from tokenwire.text.tokenizer import Tokenizer
 
 TOKENIZERS = ("qwen3-tiny", "smollm2-135m-instruct")
@@ -285,6 +279,6 @@ def test_client_mistakes_are_value_errors(qwen: Tokenizer) -> None:
 def test_bad_logprob_inputs_are_value_errors(qwen: Tokenizer, logprobs: LogprobInput) -> None:
     decoder = TokenTextDecoder(qwen)
     with pytest.raises(ValueError):
-        decoder.chat_logprobs_json(logprobs)
+        chat_logprobs_json_from(decoder, logprobs)
     with pytest.raises(ValueError):
         decoder.resolved(logprobs)

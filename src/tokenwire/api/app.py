@@ -24,7 +24,8 @@ from tokenwire.model_source import resolve_model_dir
 from tokenwire.pipeline.context import ModelRuntime, Pipeline, ServingConfig
 from tokenwire.settings import Settings
 from tokenwire.text.chat_template import ChatTemplate, load_model_chat_template
-from tokenwire.text.logprob_tokens import TokenTextDecoder, token_table
+from tokenwire.text.token_table import token_table
+from tokenwire.text.token_text import TokenTextDecoder
 from tokenwire.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenwire")

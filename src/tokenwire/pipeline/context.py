@@ -16,7 +16,7 @@ from tokenwire.pipeline.errors import NotReady, UnknownModel
 from tokenwire.pipeline.jobs import JobRegistry
 from tokenwire.settings import Settings
 from tokenwire.text.chat_template import ChatTemplate
-from tokenwire.text.logprob_tokens import TokenTextDecoder
+from tokenwire.text.token_text import TokenTextDecoder
 from tokenwire.text.tokenizer import Tokenizer
 
 

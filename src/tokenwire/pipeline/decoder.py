@@ -32,8 +32,9 @@ from tokenwire.parsers import (
     advance_text,
     new_parse_state,
 )
-from tokenwire.pipeline.logprobs import json_logprob
-from tokenwire.text.logprob_tokens import DecodeContext, LogprobInput, TokenTextDecoder
+from tokenwire.text.logprob_json import chat_logprobs_json_from
+from tokenwire.text.token_table import DecodeContext
+from tokenwire.text.token_text import LogprobInput, TokenTextDecoder, json_logprob
 
 StopReason = int | str | None
 
@@ -247,8 +248,8 @@ class ChoiceDecoder:
         if logprobs is not None and completion_logprobs:
             step_logprobs = self._completion_logprobs(logprobs, ids, final)
         elif logprobs is not None:
-            step_logprobs, state.logprob_context = self.decoder.chat_logprobs_json(
-                logprobs, ids, context=state.logprob_context, final=final
+            step_logprobs, state.logprob_context = chat_logprobs_json_from(
+                self.decoder, logprobs, ids, context=state.logprob_context, final=final
             )
         else:  # keep the logprob decoder in step for later chunks that do ask for logprobs
             state.logprob_context = self.decoder.resolve(

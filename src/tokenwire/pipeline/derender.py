@@ -24,7 +24,7 @@ from tokenwire.protocol.derender import (
     CompletionDerenderRequest,
     GenerateChoiceIn,
 )
-from tokenwire.text.logprob_tokens import LogprobInput
+from tokenwire.text.token_text import LogprobInput
 
 
 def decode_choice(

@@ -6,17 +6,11 @@ derender and the OpenAI routes resolve them to exact token texts through ``Choic
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 from tokenwire.engine.base import TokenLogprob
-from tokenwire.text.logprob_tokens import NON_FINITE_LOGPROB, LogprobInput
-
-
-def json_logprob(logprob: float) -> float:
-    """-inf and NaN are not JSON; vLLM sends -9999.0 instead."""
-    return logprob if math.isfinite(logprob) else NON_FINITE_LOGPROB
+from tokenwire.text.token_text import LogprobInput, json_logprob
 
 
 def token_logprobs_json(entries: Sequence[TokenLogprob], num_top: int) -> dict[str, Any]:

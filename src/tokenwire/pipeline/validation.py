@@ -14,7 +14,7 @@ from tokenwire.pipeline.context import ModelRuntime, ServingConfig
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.protocol.generate import SamplingParamsModel
 from tokenwire.protocol.openai import SamplingFields
-from tokenwire.text.logprob_tokens import LogprobInput
+from tokenwire.text.token_text import LogprobInput
 
 
 def check_token_ids(runtime: ModelRuntime, token_ids: Sequence[int], param: str) -> None:
