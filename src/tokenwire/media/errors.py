@@ -27,9 +27,6 @@ class Rule(StrEnum):
     OUTSIDE_LOCAL_PATH = "file outside allowed local media path"
     IMAGE_TOO_LARGE = "image too large / decompression bomb"
     INVALID_IMAGE = "invalid image"
-    AUDIO_TOO_LONG = "audio too long"
-    INVALID_AUDIO = "invalid audio"
-    VIDEO_UNSUPPORTED = "video input is not supported by this server"
 
 
 class MediaError(Exception):
