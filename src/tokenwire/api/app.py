@@ -15,12 +15,13 @@ from fastapi import FastAPI
 from tokenwire import __version__
 from tokenwire.api.asgi import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from tokenwire.api.errors import install_error_handlers
-from tokenwire.api.media_inputs import IMAGE_PAD, MediaService
 from tokenwire.api.metrics import Metrics, MetricsMiddleware
 from tokenwire.api.openapi import install_openapi
 from tokenwire.api.routes import derender, generate, info, openai, render, tokenize
 from tokenwire.api.state import ModelRuntime, ServerState
 from tokenwire.engine.hf import HFEngine
+from tokenwire.media.prompt import IMAGE_PAD
+from tokenwire.media.service import MediaService
 from tokenwire.model_source import resolve_model_dir
 from tokenwire.settings import Settings
 from tokenwire.text.chat_template import ChatTemplate, load_model_chat_template
@@ -80,7 +81,14 @@ async def _load_runtime(state: ServerState) -> None:
         await asyncio.to_thread(token_table, tokenizer)
         chat_template = await asyncio.to_thread(_load_chat_template, settings, model_dir, tokenizer)
         image_pad_id = tokenizer.backend.token_to_id(IMAGE_PAD)
-        media = await MediaService.build(settings, model_dir, image_pad_id, state.metrics)
+        media = await MediaService.build(
+            model_dir,
+            policy=settings.media_policy(),
+            cache_bytes=settings.media_cache_bytes,
+            image_pad_id=image_pad_id,
+            on_cache_hit=state.metrics.media_cache_hits.labels("image").inc,
+            on_cache_miss=state.metrics.media_cache_misses.labels("image").inc,
+        )
         engine = HFEngine(
             model_dir,
             max_model_len=settings.max_model_len,

@@ -86,7 +86,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(MediaError)
     async def _media_error(_: Request, exc: MediaError) -> Response:
         # Refusals (SSRF rules, limits, bad images or features) are 400; a remote 4xx is 422.
-        return error_response(exc.status, exc.message)
+        return error_response(exc.status, exc.message, exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:

@@ -15,9 +15,10 @@ from typing import Any
 import orjson
 
 from tokenwire.api.errors import APIError, bad_request
-from tokenwire.api.media_inputs import PromptMedia, chat_media_refs
 from tokenwire.api.offload import run_text_work
 from tokenwire.api.state import ModelRuntime, ServerState
+from tokenwire.media.prompt import PromptMedia
+from tokenwire.media.refs import chat_media_refs
 from tokenwire.protocol.chat import ChatMessage, TextPart
 from tokenwire.protocol.tokenize import ChatTemplateOptions
 from tokenwire.text.chat_template import ChatTemplate, ChatTemplateError

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 
 from tokenwire.api.errors import APIError
-from tokenwire.api.media_inputs import MediaService
 from tokenwire.api.metrics import Metrics
 from tokenwire.engine.base import Engine
+from tokenwire.media.service import MediaService
 from tokenwire.settings import Settings
 from tokenwire.text.chat_template import ChatTemplate
 from tokenwire.text.tokenizer import Tokenizer
