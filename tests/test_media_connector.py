@@ -12,7 +12,6 @@ import base64
 import contextlib
 import io
 import ipaddress
-import os
 import shutil
 import socket
 import ssl
@@ -20,7 +19,6 @@ import struct
 import subprocess
 import threading
 import time
-import wave
 import zlib
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -29,15 +27,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-import numpy as np
 import pytest
-import soundfile
 from PIL import Image
 
 from tokenwire.media import connector as connector_module
 from tokenwire.media.connector import MediaConnector, system_resolve
 from tokenwire.media.errors import MediaFetchFailed, MediaRefused, Rule
-from tokenwire.media.loaders import load_audio, load_image, load_video
+from tokenwire.media.loaders import load_image
 from tokenwire.media.pinning import PinnedNetworkBackend, PinTable
 from tokenwire.media.policy import MediaPolicy, is_public_address
 
@@ -815,51 +811,3 @@ def test_invalid_image(data: bytes) -> None:
     with pytest.raises(MediaRefused) as info:
         load_image(data)
     assert info.value.rule == Rule.INVALID_IMAGE
-
-
-def _wav(samples: np.ndarray, rate: int) -> bytes:
-    buffer = io.BytesIO()
-    soundfile.write(buffer, samples, rate, format="WAV", subtype="PCM_16")
-    return buffer.getvalue()
-
-
-def test_load_audio_wav_stereo_to_mono() -> None:
-    stereo = np.stack([np.full(1000, 0.5), np.full(1000, -0.25)], axis=1)
-    samples, rate = load_audio(_wav(stereo, 16_000))
-    assert rate == 16_000 and samples.dtype == np.float32 and samples.shape == (1000,)
-    assert np.allclose(samples, 0.125, atol=1e-3)
-
-
-def test_load_audio_flac() -> None:
-    tone = np.sin(np.linspace(0, 100, 48_000)).astype(np.float32) * 0.5
-    buffer = io.BytesIO()
-    soundfile.write(buffer, tone, 48_000, format="FLAC")
-    samples, rate = load_audio(buffer.getvalue())
-    assert rate == 48_000 and samples.shape == (48_000,)
-    assert np.allclose(samples, tone, atol=1e-3)
-
-
-def test_audio_too_long() -> None:
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(8000)
-        out.writeframes(b"\x00\x00" * 8000)
-    with pytest.raises(MediaRefused) as info:
-        load_audio(buffer.getvalue(), max_frames=4000)
-    assert info.value.rule == Rule.AUDIO_TOO_LONG
-
-
-@pytest.mark.parametrize("data", [b"", b"RIFF....WAVEfmt garbage", os.urandom(256)])
-def test_invalid_audio(data: bytes) -> None:
-    with pytest.raises(MediaRefused) as info:
-        load_audio(data)
-    assert info.value.rule == Rule.INVALID_AUDIO
-
-
-def test_video_is_refused() -> None:
-    with pytest.raises(MediaRefused) as info:
-        load_video(b"\x00\x00\x00\x18ftypmp42")
-    assert info.value.rule == Rule.VIDEO_UNSUPPORTED
-    assert info.value.message == "video input is not supported by this server"

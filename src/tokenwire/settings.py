@@ -11,8 +11,12 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenwire.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
+
+if TYPE_CHECKING:
+    from tokenwire.media.policy import MediaPolicy
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -49,6 +53,20 @@ class Settings:
         if self.served_model_name:
             return self.served_model_name
         return (self.model,)
+
+    def media_policy(self) -> MediaPolicy:
+        """The ``--*media*`` flags as the media connector's policy, resolved once at start-up."""
+        from tokenwire.media.policy import MediaPolicy  # httpx: only servers need it
+
+        allowed = self.allowed_media_domains
+        return MediaPolicy(
+            allowed_domains=frozenset(allowed) if allowed is not None else None,
+            allow_private_networks=self.allow_private_media_networks,
+            allow_redirects=self.media_allow_redirects,
+            max_bytes=self.max_media_bytes,
+            timeout_s=self.media_timeout_s,
+            allowed_local_path=self.allowed_local_media_path,
+        )
 
 
 def _env(name: str) -> str | None:

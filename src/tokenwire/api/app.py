@@ -15,11 +15,12 @@ from fastapi import FastAPI
 from tokenwire import __version__
 from tokenwire.api.asgi import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from tokenwire.api.errors import install_error_handlers
-from tokenwire.api.media_inputs import IMAGE_PAD, MediaService
 from tokenwire.api.metrics import Metrics, MetricsMiddleware
 from tokenwire.api.openapi import install_openapi
 from tokenwire.api.routes import derender, generate, info, openai, render, tokenize
 from tokenwire.engine.hf import HFEngine
+from tokenwire.media.prompt import IMAGE_PAD
+from tokenwire.media.service import MediaService
 from tokenwire.model_source import resolve_model_dir
 from tokenwire.pipeline.context import ModelRuntime, Pipeline, ServingConfig
 from tokenwire.settings import Settings
@@ -82,7 +83,14 @@ async def _load_runtime(pipeline: Pipeline, settings: Settings, metrics: Metrics
         table = await asyncio.to_thread(token_table, tokenizer)
         chat_template = await asyncio.to_thread(_load_chat_template, settings, model_dir, tokenizer)
         image_pad_id = tokenizer.backend.token_to_id(IMAGE_PAD)
-        media = await MediaService.build(settings, model_dir, image_pad_id, metrics)
+        media = await MediaService.build(
+            model_dir,
+            policy=settings.media_policy(),
+            cache_bytes=settings.media_cache_bytes,
+            image_pad_id=image_pad_id,
+            on_cache_hit=metrics.media_cache_hits.labels("image").inc,
+            on_cache_miss=metrics.media_cache_misses.labels("image").inc,
+        )
         engine = HFEngine(
             model_dir,
             max_model_len=settings.max_model_len,

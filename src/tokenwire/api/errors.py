@@ -69,7 +69,7 @@ def expected_error(exc: BaseException) -> tuple[int, str, str | None] | None:
         return PIPELINE_STATUS.get(type(exc), 400), exc.message, exc.param
     if isinstance(exc, MediaError):
         # Refusals (SSRF rules, limits, bad images or features) are 400; a remote 4xx is 422.
-        return exc.status, exc.message, None
+        return exc.status, exc.message, exc.param
     if isinstance(exc, APIError):
         return exc.status, exc.message, exc.param
     return None

@@ -1,13 +1,21 @@
-"""tokenwire.media layer: the one guarded media connector, loaders, processors, the media cache."""
+"""tokenwire.media layer: the one guarded media connector, loaders, processors, the media cache
+and the media service every entry point shares (``tokenwire.media.service``)."""
 
 from tokenwire.media.connector import MediaConnector
-from tokenwire.media.errors import MediaError, MediaFetchFailed, MediaRefused, Rule
+from tokenwire.media.errors import (
+    MediaError,
+    MediaFetchFailed,
+    MediaInputError,
+    MediaRefused,
+    Rule,
+)
 from tokenwire.media.policy import MediaPolicy
 
 __all__ = [
     "MediaConnector",
     "MediaError",
     "MediaFetchFailed",
+    "MediaInputError",
     "MediaPolicy",
     "MediaRefused",
     "Rule",

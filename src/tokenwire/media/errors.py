@@ -1,7 +1,7 @@
 """Media failures, each carrying the HTTP status the API layer should answer with.
 
-The api layer maps any ``MediaError`` to ``error_response(exc.status, exc.message)``; nothing in
-the media layer may surface as a 500.
+The api layer maps any ``MediaError`` to ``error_response(exc.status, exc.message, exc.param)``;
+nothing in the media layer may surface as a 500.
 """
 
 from __future__ import annotations
@@ -27,19 +27,20 @@ class Rule(StrEnum):
     OUTSIDE_LOCAL_PATH = "file outside allowed local media path"
     IMAGE_TOO_LARGE = "image too large / decompression bomb"
     INVALID_IMAGE = "invalid image"
-    AUDIO_TOO_LONG = "audio too long"
-    INVALID_AUDIO = "invalid audio"
-    VIDEO_UNSUPPORTED = "video input is not supported by this server"
 
 
 class MediaError(Exception):
-    """Base of every media failure; ``status`` is the HTTP status for our client."""
+    """Base of every media failure; ``status`` is the HTTP status for our client.
+
+    ``param`` names the request field at fault when the raiser knows it (the error body's param).
+    """
 
     status: int = 400
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.param = param
 
 
 class MediaRefused(MediaError):
@@ -65,3 +66,16 @@ class MediaFetchFailed(MediaError):
         super().__init__(message)
         self.status = status
         self.remote_status = remote_status
+
+
+class MediaInputError(MediaError):
+    """A request's media this model or prompt cannot take, or a failure tied to one media part.
+
+    Raised by the media service, which knows the request field (``param``): modalities the model
+    does not take, unknown uuids or mm_hashes, features that disagree. Connector and processing
+    failures of one part are re-raised as one of these naming the part, keeping their ``status``.
+    """
+
+    def __init__(self, message: str, param: str | None = None, *, status: int = 400) -> None:
+        super().__init__(message, param=param)
+        self.status = status

@@ -16,7 +16,8 @@ from typing import Any
 
 import orjson
 
-from tokenwire.api.media_inputs import PromptMedia, chat_media_refs
+from tokenwire.media.prompt import PromptMedia
+from tokenwire.media.refs import chat_media_refs
 from tokenwire.pipeline.context import MAX_CACHED_REQUEST_TEMPLATES, ModelRuntime, Pipeline
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.offload import run_text_work

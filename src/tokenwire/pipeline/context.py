@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from tokenwire.api.media_inputs import MediaService
 from tokenwire.engine.base import Engine
+from tokenwire.media.service import MediaService
 from tokenwire.parsers import ReasoningParser, ToolParser, get_reasoning_parser, get_tool_parser
 from tokenwire.pipeline.errors import NotReady, UnknownModel
 from tokenwire.pipeline.jobs import JobRegistry
