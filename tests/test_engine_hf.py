@@ -24,8 +24,9 @@ from tokenwire.engine.base import (
     TokenLogprob,
 )
 from tokenwire.engine.hf import HFEngine
-from tokenwire.engine.sampling import RowSampler, sample
-from tokenwire.media.processing import MediaProcessor, expand_image_placeholders, mrope_positions
+from tokenwire.engine.hf.mrope import mrope_positions
+from tokenwire.engine.hf.sampling import RowSampler, sample
+from tokenwire.media.processing import MediaProcessor, expand_image_placeholders
 
 FRANCE = "What is the capital of France?"
 
@@ -520,7 +521,7 @@ def test_candidate_sampling_matches_exact_path(seed: int) -> None:
 
 def test_padded_cache_join_decode_drop_trim() -> None:
     """Rows keep their own tokens, right-aligned, through joins, in-place decodes and drops."""
-    from tokenwire.engine.kv_cache import PaddedBatchCache
+    from tokenwire.engine.hf.kv_cache import PaddedBatchCache
 
     cache = PaddedBatchCache(num_layers=2, device=torch.device("cpu"))
     order: list[str] = []  # cache row -> request name
@@ -744,7 +745,7 @@ def test_vl_image_greedy_matches_hf_generate_and_full_forward(
     assert res.tokens == ref[0, len(prompt) :].tolist()
     assert_vl_parity(vl_model, prompt, media, res, 3)
     # The engine never leans on the module's hidden M-RoPE state.
-    assert vl_engine._model.model.rope_deltas is None
+    assert vl_engine._runner.model.model.rope_deltas is None
 
     plp = run(
         collect_mm(
