@@ -46,7 +46,8 @@ def _merge(items: list[EngineOutput]) -> EngineOutput:
         if o.prompt_logprobs is not None and merged.prompt_logprobs is None:
             merged.prompt_logprobs = o.prompt_logprobs
             merged.num_prompt_tokens = o.num_prompt_tokens
-        merged.finish_reason = o.finish_reason or merged.finish_reason
+        if o.finish_reason is not None:
+            merged.finish_reason, merged.stop_reason = o.finish_reason, o.stop_reason
     return merged
 
 

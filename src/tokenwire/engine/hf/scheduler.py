@@ -196,12 +196,13 @@ class Scheduler:
         for i, (req, token) in enumerate(zip(rows, result.token_ids, strict=True)):
             req.output.append(token)
             req.last_token = token
-            req.finish = self._finish_reason(req, token)
+            req.finish, stop_reason = self._finish(req, token)
             lp = result.logprobs[i]
             out = EngineOutput(
                 new_token_ids=[token],
                 logprobs=[lp] if lp is not None else None,
                 finish_reason=req.finish,
+                stop_reason=stop_reason,
             )
             if first:
                 out.num_prompt_tokens = len(req.prompt)
@@ -209,17 +210,22 @@ class Scheduler:
                     out.prompt_logprobs = prompt
             emits.append((req.sink, out))
 
-    def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
+    def _finish(self, req: Request, token: int) -> tuple[FinishReason | None, int | None]:
+        """Whether ``token`` ends the request, and its stop reason (see ``EngineOutput``).
+
+        eos is checked before ``stop_token_ids``, as in vLLM: an eos id the request also lists
+        as a stop id reports ``None`` unless ``ignore_eos`` is set.
+        """
         p = req.params
         n = len(req.output)
         if n >= p.min_tokens:
-            if token in p.stop_token_ids:
-                return "stop"
             if not p.ignore_eos and token in self.runner.eos_token_ids:
-                return "stop"
+                return "stop", None
+            if token in p.stop_token_ids:
+                return "stop", token
         if n >= p.max_tokens or len(req.prompt) + n >= self.max_model_len:
-            return "length"
-        return None
+            return "length", None
+        return None, None
 
     def _drop_finished(self) -> None:
         """Remove finished rows from the cache and mirror the cache's row moves."""
