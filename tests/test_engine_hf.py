@@ -24,8 +24,9 @@ from tokenwire.engine.base import (
     TokenLogprob,
 )
 from tokenwire.engine.hf import HFEngine
-from tokenwire.engine.sampling import RowSampler, sample
-from tokenwire.media.processing import MediaProcessor, expand_image_placeholders, mrope_positions
+from tokenwire.engine.hf.mrope import mrope_positions
+from tokenwire.engine.hf.sampling import RowSampler, sample
+from tokenwire.media.processing import MediaProcessor, expand_image_placeholders
 
 FRANCE = "What is the capital of France?"
 
@@ -36,6 +37,7 @@ class Result:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     finish: str | None = None
+    stop_reason: int | str | None = None
     outputs: int = 0
 
 
@@ -49,6 +51,8 @@ async def collect(engine: HFEngine, rid: str, prompt: list[int], sp: SamplingPar
             res.prompt_logprobs = out.prompt_logprobs
             assert out.num_prompt_tokens == len(prompt)
         res.finish = out.finish_reason
+        assert out.stop_reason is None or out.finish_reason is not None  # final output only
+        res.stop_reason = out.stop_reason
     return res
 
 
@@ -349,6 +353,51 @@ def test_stop_conditions(engine: HFEngine, tokenizer: AutoTokenizer) -> None:
     assert 4649 not in min_stop.tokens[:5] and min_stop.tokens[:3] == greedy[:3]
 
 
+def test_stop_reason_names_the_stop_token_id(engine: HFEngine, tokenizer: AutoTokenizer) -> None:
+    """As vLLM: the stop_token_ids id that ended a choice; None for eos and length."""
+    prompt = chat(tokenizer, FRANCE)
+    greedy = [504, 3575, 282, 4649, 314, 7042, 30, 2]  # "The capital of France is Paris."<eos>
+
+    def sp(**changes: object) -> SamplingParams:
+        return dataclasses.replace(SamplingParams(max_tokens=20, temperature=0), **changes)
+
+    async def slow(rid: str, params: SamplingParams) -> Result:
+        """A consumer slower than the steps: outputs merge, and the stop reason survives."""
+        res = Result()
+        async for out in engine.generate(rid, prompt, params):
+            res.outputs += 1
+            res.tokens += out.new_token_ids
+            res.finish, res.stop_reason = out.finish_reason, out.stop_reason
+            await asyncio.sleep(0.3)
+        return res
+
+    async def main() -> list[Result]:
+        return list(
+            await asyncio.gather(
+                collect(engine, "sr-stop-id", prompt, sp(stop_token_ids=(4649,))),
+                collect(engine, "sr-eos", prompt, sp()),
+                collect(engine, "sr-length", prompt, sp(max_tokens=3)),
+                collect(engine, "sr-eos-listed", prompt, sp(stop_token_ids=(2,))),
+                collect(engine, "sr-eos-ignored", prompt, sp(stop_token_ids=(2,), ignore_eos=True)),
+                slow("sr-merged", sp(stop_token_ids=(7042,))),
+            )
+        )
+
+    stop_id, eos, length, eos_listed, eos_ignored, merged = run(main())
+    assert stop_id.tokens == greedy[:4] and stop_id.finish == "stop"
+    assert stop_id.stop_reason == 4649
+    assert eos.tokens == greedy and eos.finish == "stop" and eos.stop_reason is None
+    assert length.tokens == greedy[:3] and length.finish == "length"
+    assert length.stop_reason is None
+    # eos is checked first (vLLM's order): listing it as a stop id still reports eos.
+    assert eos_listed.tokens == greedy and eos_listed.stop_reason is None
+    # With ignore_eos it is only a stop id, and reported as one.
+    assert eos_ignored.tokens == greedy and eos_ignored.finish == "stop"
+    assert eos_ignored.stop_reason == 2
+    assert merged.tokens == greedy[:6] and merged.outputs < len(merged.tokens)
+    assert merged.finish == "stop" and merged.stop_reason == 7042
+
+
 def test_max_num_seqs_queues_fifo(tiny_engine: HFEngine) -> None:
     prompts = [[100 + i, 200 + 7 * i, 300, 400 + i, 151644] for i in range(5)]
     params = [
@@ -520,7 +569,7 @@ def test_candidate_sampling_matches_exact_path(seed: int) -> None:
 
 def test_padded_cache_join_decode_drop_trim() -> None:
     """Rows keep their own tokens, right-aligned, through joins, in-place decodes and drops."""
-    from tokenwire.engine.kv_cache import PaddedBatchCache
+    from tokenwire.engine.hf.kv_cache import PaddedBatchCache
 
     cache = PaddedBatchCache(num_layers=2, device=torch.device("cpu"))
     order: list[str] = []  # cache row -> request name
@@ -744,7 +793,7 @@ def test_vl_image_greedy_matches_hf_generate_and_full_forward(
     assert res.tokens == ref[0, len(prompt) :].tolist()
     assert_vl_parity(vl_model, prompt, media, res, 3)
     # The engine never leans on the module's hidden M-RoPE state.
-    assert vl_engine._model.model.rope_deltas is None
+    assert vl_engine._runner.model.model.rope_deltas is None
 
     plp = run(
         collect_mm(

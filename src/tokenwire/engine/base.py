@@ -66,13 +66,18 @@ class MultiModalInput:
 
 @dataclass(slots=True)
 class EngineOutput:
-    """An incremental result: the tokens made since the previous output of the same request."""
+    """An incremental result: the tokens made since the previous output of the same request.
+
+    ``stop_reason`` says why a choice stopped, as vLLM's output does; it is set only on the
+    final output. It is the token id when one of ``stop_token_ids`` ended the choice (the id is
+    the last of ``new_token_ids``), and None when eos ended it (vLLM reports eos as None too),
+    for "length" and "abort", and on every earlier output. A ``str`` is for engines that stop on
+    stop strings themselves (vLLM); the hf engine never sets one.
+    """
 
     new_token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
-    # Why a "stop" finish happened, as vLLM reports it: the stop token id of a stop_token_ids
-    # hit, the stop string (set above the engine), None for eos.
     stop_reason: int | str | None = None
     # Sent once, with the first output: None for the first prompt position.
     prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -29,7 +29,6 @@ _LAZY_EXPORTS = {
     "ProcessedMedia": "tokenwire.media.processing",
     "ProcessingRule": "tokenwire.media.processing",
     "expand_image_placeholders": "tokenwire.media.processing",
-    "mrope_positions": "tokenwire.media.processing",
     "validate_placeholder_ranges": "tokenwire.media.processing",
     "hash_media_bytes": "tokenwire.media.hashing",
 }

@@ -337,39 +337,3 @@ def validate_placeholder_ranges(
     total = sum(1 for token in token_ids if token == image_pad_id)
     if total != sum(counts):
         raise MediaRefused(rule, f"{total - sum(counts)} image pad ids lie outside the ranges")
-
-
-def mrope_positions(
-    num_tokens: int,
-    placeholders: Sequence[tuple[int, int]],
-    grids_thw: Sequence[tuple[int, int, int]],
-    merge_size: int,
-) -> tuple[torch.Tensor, int]:
-    """Qwen2-VL's 3D (t, h, w) rope positions [3, num_tokens] and the rope delta of a prompt.
-
-    Same numbers as ``Qwen2VLModel.get_rope_index`` for one unpadded row, but per request and
-    free of model state: text advances all three axes by one per token; an image's tokens get
-    its merged grid coordinates offset by the current position, which then moves on by
-    ``max(h, w) // merge_size``. Decode token ``i`` (0-based index in the whole sequence,
-    ``i >= num_tokens``) has position ``i + delta`` on all three axes.
-    """
-    parts: list[torch.Tensor] = []
-    position = 0
-    cursor = 0
-    for (offset, length), (t, h, w) in zip(placeholders, grids_thw, strict=True):
-        gh, gw = h // merge_size, w // merge_size
-        if t * gh * gw != length:
-            raise ValueError(f"grid {(t, h, w)} has {t * gh * gw} tokens, range has {length}")
-        text = offset - cursor
-        parts.append(torch.arange(text).expand(3, -1) + position)
-        position += text
-        tt, hh, ww = torch.meshgrid(
-            torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij"
-        )
-        parts.append(torch.stack([tt, hh, ww]).reshape(3, -1) + position)
-        position += max(gh, gw)
-        cursor = offset + length
-    parts.append(torch.arange(num_tokens - cursor).expand(3, -1) + position)
-    positions = torch.cat(parts, dim=1).to(torch.int64)
-    delta = int(positions.max()) + 1 - num_tokens if num_tokens else 0
-    return positions, delta

@@ -1,10 +1,6 @@
-"""Qwen2-VL-style image input for the ``hf`` engine: checks, prefill tensors and M-RoPE positions.
+"""Qwen2-VL-style image input for the ``hf`` engine: checks and prefill tensors.
 
-Positions are always computed here and passed explicitly: given ``image_grid_thw`` and no
-``position_ids``, transformers' Qwen2-VL computes them itself and stores ``rope_deltas`` on the
-module, shared state that later position-less calls reuse for whatever request comes next.
-Each row instead keeps its own rope delta (``mrope_positions``); decode token ``i`` of a row sits
-at ``i + delta`` on all three axes, so a plain [B, 1] position tensor serves a mixed batch.
+Positions for these prompts are M-RoPE's, computed per request in ``mrope``.
 
 Everything in ``check_media`` runs before a request is queued: a bad range or grid must be an
 ``EngineError`` (a 400), never a shape error inside the model forward that fails its group.
@@ -20,7 +16,6 @@ from typing import Any
 import torch
 
 from tokenwire.engine.base import EngineError, ImageInput, MultiModalInput
-from tokenwire.media.processing import mrope_positions
 
 QWEN2_VL_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl"})
 QWEN2_VL_ARCHITECTURES = frozenset(
@@ -148,32 +143,6 @@ def _check_pixels(pixels: Any, rows: int, patch_dim: int, where: str) -> torch.T
     if not bool(torch.isfinite(pixels).all()):
         raise EngineError(f"{where}: pixel_values must be finite")
     return pixels
-
-
-def prefill_positions(
-    prompts: Sequence[Sequence[int]],
-    medias: Sequence[RequestMedia | None],
-    width: int,
-    merge: int,
-    device: torch.device,
-) -> tuple[torch.Tensor, list[int]]:
-    """3D positions [3, n, width] of a left-padded prefill group and each row's rope delta.
-
-    Rows are right-aligned like the ids; padding columns get position 0 (masked anyway).
-    A text row's positions are 0..len-1 on every axis and its delta is 0.
-    """
-    positions = torch.zeros(3, len(prompts), width, dtype=torch.long)
-    deltas: list[int] = []
-    for row, (prompt, media) in enumerate(zip(prompts, medias, strict=True)):
-        n = len(prompt)
-        if media is None:
-            positions[:, row, width - n :] = torch.arange(n)
-            deltas.append(0)
-            continue
-        pos, delta = mrope_positions(n, media.placeholders, media.grids, merge)
-        positions[:, row, width - n :] = pos
-        deltas.append(delta)
-    return positions.to(device), deltas
 
 
 def prefill_media_kwargs(

@@ -1,0 +1,227 @@
+"""``HFEngine``, what clients call: it checks requests, starts the engine thread, streams outputs.
+
+Everything here runs on the caller's event loop and never touches torch state: a request is
+checked, handed to the engine thread as a command, and its outputs are read back from its own
+queue (see ``handoff``), coalesced when the consumer is slower than the steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenwire.engine.base import EngineError, EngineOutput, EngineStats, SamplingParams
+from tokenwire.engine.hf.handoff import Abort, Add, Command, Request, Sink, Stop
+from tokenwire.engine.hf.multimodal import RequestMedia, VisionSpec, check_media
+from tokenwire.engine.hf.runner import ModelRunner
+from tokenwire.engine.hf.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+MAX_MODEL_LEN_CAP = 8192
+
+
+def _merge(items: list[EngineOutput]) -> EngineOutput:
+    """Coalesce outputs a slow consumer has not read yet into one."""
+    if len(items) == 1:
+        return items[0]
+    first = items[0]
+    merged = EngineOutput(
+        new_token_ids=[],
+        logprobs=[] if any(o.logprobs is not None for o in items) else None,
+        prompt_logprobs=first.prompt_logprobs,
+        num_prompt_tokens=first.num_prompt_tokens,
+    )
+    for o in items:
+        merged.new_token_ids.extend(o.new_token_ids)
+        if merged.logprobs is not None and o.logprobs:
+            merged.logprobs.extend(o.logprobs)
+        if o.prompt_logprobs is not None and merged.prompt_logprobs is None:
+            merged.prompt_logprobs = o.prompt_logprobs
+            merged.num_prompt_tokens = o.num_prompt_tokens
+        if o.finish_reason is not None:
+            merged.finish_reason, merged.stop_reason = o.finish_reason, o.stop_reason
+    return merged
+
+
+class HFEngine:
+    """Continuous batching for one transformers causal LM on CPU or CUDA (see the package)."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        device: str | None = None,
+        dtype: torch.dtype | str | None = None,
+    ) -> None:
+        from transformers import AutoConfig
+
+        self.model_dir = Path(model_dir)
+        self.model_name = self.model_dir.name
+        self.config = AutoConfig.from_pretrained(self.model_dir)
+        text_config = self.config.get_text_config(decoder=True)
+        limit = int(getattr(text_config, "max_position_embeddings", 0) or MAX_MODEL_LEN_CAP)
+        self.max_model_len: int = max_model_len or min(limit, MAX_MODEL_LEN_CAP)
+        if self.max_model_len < 2:
+            raise ValueError("max_model_len must be at least 2")
+        if max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        self.max_num_seqs = max_num_seqs
+        self.vision = VisionSpec.from_config(self.config)
+        self.multimodal = self.vision is not None  # takes image input
+
+        self._runner = ModelRunner(
+            self.model_dir,
+            vision=self.vision,
+            vocab_size=int(text_config.vocab_size),
+            max_num_seqs=max_num_seqs,
+            device=device,
+            dtype=dtype,
+        )
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._scheduler = Scheduler(
+            self._runner,
+            self._inbox,
+            max_num_seqs=max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._live: dict[str, Sink] = {}  # owned by the event loop
+
+    @property
+    def vocab_size(self) -> int:
+        """The config's vocabulary until the model loads, then its embedding rows."""
+        return self._runner.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """From the generation config (else the model config); empty until started."""
+        return self._runner.eos_token_ids
+
+    async def start(self) -> None:
+        """Load the model on the engine thread and wait until it is ready."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="tokenwire-hf-engine", daemon=True)
+        self._thread.start()
+        await asyncio.to_thread(self._ready.wait)
+        if self._load_error is not None:
+            raise EngineError(f"model failed to load: {self._load_error}") from self._load_error
+
+    def is_ready(self) -> bool:
+        return self._ready.is_set() and self._load_error is None and not self._scheduler.stopping
+
+    def stats(self) -> EngineStats:
+        s = self._scheduler
+        return EngineStats(
+            running=s.num_running,
+            waiting=s.num_waiting,
+            max_num_seqs=self.max_num_seqs,
+            extra={"steps": s.steps, "tokens_generated": s.tokens_generated},
+        )
+
+    def _validate(
+        self, prompt: list[int], sampling: SamplingParams, media: Any | None
+    ) -> RequestMedia | None:
+        """Refuse what the engine cannot serve (``EngineError``); return the checked images."""
+        if not self.is_ready():
+            raise EngineError("the engine is not running")
+        if not prompt:
+            raise EngineError("the prompt must hold at least one token")
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise EngineError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if len(prompt) > self.max_model_len - 1:
+            raise EngineError(
+                f"the prompt has {len(prompt)} tokens; this model's maximum context length is "
+                f"{self.max_model_len}, which leaves room for at most {self.max_model_len - 1} "
+                "prompt tokens"
+            )
+        if sampling.max_tokens < 1:
+            raise EngineError("max_tokens must be at least 1")
+        if len(prompt) + sampling.max_tokens > self.max_model_len:
+            raise EngineError(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({sampling.max_tokens}) "
+                f"exceeds this model's maximum context length of {self.max_model_len} tokens"
+            )
+        if media is None:
+            return None
+        if self.vision is None:
+            raise EngineError("this model takes no image input")
+        return check_media(media, prompt, self.vision)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        media: Any | None = None,
+    ) -> AsyncIterator[EngineOutput]:
+        """Stream a request's outputs; closing the iterator early aborts it in the engine."""
+        prompt = list(prompt_token_ids)
+        checked = self._validate(prompt, sampling, media)
+        if request_id in self._live:
+            raise EngineError(f"request id {request_id!r} is already running")
+        sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
+        self._live[request_id] = sink
+        self._inbox.put(Add(Request(request_id, prompt, sampling, sink, checked)))
+        finished = False
+        try:
+            while True:
+                items = [await sink.queue.get()]
+                while not sink.queue.empty():
+                    items.append(sink.queue.get_nowait())
+                errors = [i for i in items if isinstance(i, BaseException)]
+                if errors:
+                    finished = True
+                    # Not an EngineError: that means "bad request" (400) to the api layer.
+                    raise RuntimeError(f"hf engine step failed: {errors[0]}") from errors[0]
+                out = _merge([i for i in items if isinstance(i, EngineOutput)])
+                if out.finish_reason is not None:
+                    finished = True
+                yield out
+                if finished:
+                    return
+        finally:
+            if self._live.get(request_id) is sink:
+                del self._live[request_id]
+            if not finished:
+                self._inbox.put(Abort(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a running or queued request; its stream ends with finish_reason "abort"."""
+        if request_id not in self._live:
+            return False
+        self._inbox.put(Abort(request_id))
+        return True
+
+    async def shutdown(self) -> None:
+        """Abort everything and stop the engine thread."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._inbox.put(Stop())
+        await asyncio.to_thread(thread.join)
+        self._thread = None
+
+    def _run(self) -> None:
+        """The engine thread: load the model, then step until shutdown."""
+        try:
+            self._runner.load()
+        except BaseException as exc:  # reported by start()
+            logger.exception("hf engine: model failed to load")
+            self._load_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self._scheduler.run()

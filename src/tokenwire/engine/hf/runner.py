@@ -1,0 +1,263 @@
+"""The model on its device: loading it, prefill and decode forwards, the KV cache, sampling.
+
+The scheduler decides which rows run; this module only turns rows into tensors and back. Every
+method runs on the engine thread, under the scheduler's ``torch.inference_mode``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenwire.engine.base import EngineError, TokenLogprob
+from tokenwire.engine.hf.handoff import Request
+from tokenwire.engine.hf.kv_cache import PaddedBatchCache
+from tokenwire.engine.hf.mrope import prefill_positions
+from tokenwire.engine.hf.multimodal import RequestMedia, VisionSpec, prefill_media_kwargs
+from tokenwire.engine.hf.sampling import RowSampler, SampleResult, sample, token_logprobs
+
+# Prompt positions per log_softmax chunk when computing prompt logprobs.
+PROMPT_LOGPROB_CHUNK = 256
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    """fp32 on CPU (trainer parity, and CPU half matmuls are slow); bf16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "", "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    resolved = getattr(torch, str(dtype), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return resolved
+
+
+@dataclass(slots=True)
+class Prefilled:
+    """A prefill forward's result, kept until sampling says which of its rows live on."""
+
+    logits: torch.Tensor  # [n, V] float32: each row's next-token logits
+    prompt_logprobs: list[TokenLogprob | None] | None  # the first row's, when it asked
+    cache: Any  # the group's own DynamicCache
+    mask: torch.Tensor  # [n, P] bool, left-padded
+
+
+class ModelRunner:
+    """One transformers model, its running KV cache and its samplers' device work."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        vision: VisionSpec | None,
+        vocab_size: int,
+        max_num_seqs: int,
+        device: str | None,
+        dtype: torch.dtype | str | None,
+    ) -> None:
+        self.model_dir = model_dir
+        self.vision = vision
+        self.vocab_size = vocab_size  # the config's until load() reads the embedding size
+        self.max_num_seqs = max_num_seqs
+        self.device = pick_device(device)
+        self.dtype = pick_dtype(dtype, self.device)
+        self.eos_token_ids: tuple[int, ...] = ()
+        self.model: Any = None
+        self.cache: PaddedBatchCache | None = None
+        self._num_layers = 0
+
+    def load(self) -> None:
+        """Load the weights, read vocab size and eos ids, and warm up."""
+        from transformers import (
+            AutoModelForCausalLM,
+            AutoModelForImageTextToText,
+            GenerationConfig,
+        )
+
+        auto = AutoModelForImageTextToText if self.vision is not None else AutoModelForCausalLM
+        model = auto.from_pretrained(self.model_dir, dtype=self.dtype, attn_implementation="sdpa")
+        model.to(self.device).eval()
+        text_config = model.config.get_text_config(decoder=True)
+        layer_types = getattr(text_config, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types):
+            raise EngineError("the hf engine supports full-attention models only")
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        eos: Any = None
+        with contextlib.suppress(OSError, ValueError):
+            eos = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
+        if eos is None:
+            eos = getattr(text_config, "eos_token_id", None)
+        eos_list = eos if isinstance(eos, list | tuple) else [eos]
+        self.eos_token_ids = tuple(int(e) for e in eos_list if e is not None)
+        self.model = model
+        self._num_layers = int(text_config.num_hidden_layers)
+        self.reset_cache()
+        self._warm_up()
+
+    def reset_cache(self) -> None:
+        """An empty running cache (at load, and after a failed decode step)."""
+        self.cache = PaddedBatchCache(self._num_layers, self.device)
+
+    def _warm_up(self) -> None:
+        """One tiny prefill + decode so the first request does not pay for lazy init."""
+        with torch.inference_mode():
+            ids = torch.tensor([[1, 2, 3]], device=self.device) % self.vocab_size
+            mask = torch.ones_like(ids, dtype=torch.bool)
+            pos = torch.arange(3, device=self.device).unsqueeze(0)
+            self.model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1)
+            if self.vision is not None:  # the vision tower too: one image of one merged token
+                m = self.vision.merge_size
+                media = RequestMedia(
+                    placeholders=((0, 1),),
+                    grids=((1, m, m),),
+                    pixel_values=(torch.zeros(m * m, self.vision.patch_dim),),
+                )
+                prompt = [self.vision.image_token_id, 1]
+                positions, _ = prefill_positions([prompt], [media], 2, m, self.device)
+                self.model(
+                    input_ids=torch.tensor([prompt], device=self.device),
+                    attention_mask=torch.ones(1, 2, dtype=torch.bool, device=self.device),
+                    position_ids=positions,
+                    logits_to_keep=1,
+                    **prefill_media_kwargs([media], self.device, self.dtype),
+                )
+
+    def prefill(self, group: list[Request]) -> Prefilled:
+        """Run a group's left-padded prompts in their own cache and give each row a sampler.
+
+        Sets each row's rope delta and frees its pixels (they live in the KV cache now).
+        """
+        from transformers import DynamicCache
+
+        n, p = len(group), max(len(r.prompt) for r in group)
+        ids = torch.zeros(n, p, dtype=torch.long)
+        mask = torch.zeros(n, p, dtype=torch.bool)
+        for i, req in enumerate(group):
+            ids[i, p - len(req.prompt) :] = torch.tensor(req.prompt)
+            mask[i, p - len(req.prompt) :] = True
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        if any(r.media is not None for r in group):
+            assert self.vision is not None
+            positions, deltas = prefill_positions(
+                [r.prompt for r in group],
+                [r.media for r in group],
+                p,
+                self.vision.merge_size,
+                self.device,
+            )
+            for req, delta in zip(group, deltas, strict=True):
+                req.rope_delta = delta
+        full_logits = group[0].params.prompt_logprobs is not None
+        cache = DynamicCache()
+        logits = self._prefill_forward(group, ids, mask, positions, cache, full_logits)
+        for req in group:
+            req.media = None  # the pixels live in the KV cache now; free them for long decodes
+        prompt_lps: list[TokenLogprob | None] | None = None
+        if full_logits:
+            prompt_lps = self._prompt_logprobs(logits[0], group[0])
+        for req in group:
+            stops = tuple(req.params.stop_token_ids)
+            if not req.params.ignore_eos:
+                stops += tuple(e for e in self.eos_token_ids if e not in stops)
+            req.sampler = RowSampler.create(
+                req.params, req.prompt, stops, self.vocab_size, self.device
+            )
+        return Prefilled(logits[:, -1].float(), prompt_lps, cache, mask)
+
+    def _prefill_forward(
+        self,
+        group: list[Request],
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Any,
+        full_logits: bool,
+    ) -> torch.Tensor:
+        """The prefill forward; pixel values and grids go in here and only here.
+
+        A request with media is always prefilled alone (see the scheduler's ``_next_group``): a
+        vision tower forward is costly, and a shared group would stall text prompts behind it.
+        """
+        media_kwargs = prefill_media_kwargs([r.media for r in group], self.device, self.dtype)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=0 if full_logits else 1,
+            **media_kwargs,
+        )
+        return out.logits
+
+    def join(self, prefilled: Prefilled, alive: list[int]) -> None:
+        """Move the prefilled rows at indexes ``alive`` into the running cache, in order."""
+        assert self.cache is not None
+        kv = [(layer.keys, layer.values) for layer in prefilled.cache.layers]
+        row_mask = prefilled.mask
+        if len(alive) < row_mask.shape[0]:
+            sel = torch.tensor(alive, device=self.device)
+            kv = [(k.index_select(0, sel), v.index_select(0, sel)) for k, v in kv]
+            row_mask = row_mask.index_select(0, sel)
+        self.cache.join(kv, row_mask, rows_cap=self.max_num_seqs)
+
+    def decode(self, rows: list[Request]) -> torch.Tensor:
+        """One decode forward for every running row (row i == cache row i): [B, V] logits."""
+        cache = self.cache
+        assert cache is not None
+        attention_mask = cache.begin_decode()
+        ids = torch.tensor([r.last_token for r in rows], device=self.device).unsqueeze(1)
+        # The last sampled token sits right after the prompt and the earlier outputs; M-RoPE
+        # rows shift by their own delta (a [B, 1] tensor: Qwen2-VL repeats it on its 3 axes).
+        positions = torch.tensor(
+            [len(r.prompt) + len(r.output) - 1 + r.rope_delta for r in rows], device=self.device
+        ).unsqueeze(1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache.commit(1)
+        return out.logits[:, -1].float()
+
+    def sample(self, rows: list[Request], logits: torch.Tensor) -> SampleResult:
+        """One token per row, recorded in the row's sampler (the history its penalties use)."""
+        samplers = [r.sampler for r in rows]
+        assert all(s is not None for s in samplers)
+        result = sample(logits, samplers)  # type: ignore[arg-type]
+        for sampler, token in zip(samplers, result.token_ids, strict=True):
+            assert sampler is not None
+            sampler.record(token)
+        return result
+
+    def drop(self, rows: list[int]) -> list[tuple[int, int]]:
+        """Drop cache rows; returns the (src, dst) row moves the caller must mirror."""
+        assert self.cache is not None
+        return self.cache.drop(rows)
+
+    def _prompt_logprobs(self, logits: torch.Tensor, req: Request) -> list[TokenLogprob | None]:
+        """Raw logprobs of each prompt token given its prefix (the first has none)."""
+        k = req.params.prompt_logprobs or 0
+        p = logits.shape[0]
+        offset = p - len(req.prompt)
+        result: list[TokenLogprob | None] = [None]
+        for start in range(1, len(req.prompt), PROMPT_LOGPROB_CHUNK):
+            stop = min(start + PROMPT_LOGPROB_CHUNK, len(req.prompt))
+            chunk = logits[offset + start - 1 : offset + stop - 1]
+            chosen = req.prompt[start:stop]
+            result.extend(token_logprobs(chunk, chosen, [k] * len(chosen)))
+        return result

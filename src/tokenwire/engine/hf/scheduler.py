@@ -1,0 +1,239 @@
+"""The engine thread's step loop: which requests wait, prefill, decode, finish or abort.
+
+A step is either a prefill of waiting requests (FIFO, within free slots and a padded-token budget;
+their rows then join the running cache) or one decode step for every running row. Rows that
+finish or are aborted leave the cache right after the step that ends them; ``running[i]`` is
+always cache row ``i``. A failed prefill fails only its group; a failed decode fails the batch
+and starts from an empty cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections import deque
+
+import torch
+
+from tokenwire.engine.base import EngineOutput, FinishReason, TokenLogprob
+from tokenwire.engine.hf.handoff import Add, Command, Emits, Request, Stop, deliver
+from tokenwire.engine.hf.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Padded tokens one prefill forward may hold: bounds prefill memory and decode stalls.
+MAX_PREFILL_TOKENS = 4096
+
+
+class Scheduler:
+    """Runs steps until told to stop; all its state belongs to the engine thread.
+
+    ``num_running``, ``num_waiting``, ``steps`` and ``tokens_generated`` are published for
+    ``stats()`` as plain ints (atomic reads from the event loop).
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        inbox: queue.SimpleQueue[Command],
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> None:
+        self.runner = runner
+        self.inbox = inbox
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.running: list[Request] = []  # index == cache row
+        self.waiting: deque[Request] = deque()
+        self._prefilling: list[Request] = []  # popped from waiting, not yet running
+        self.stopping = False
+        self.num_running = 0
+        self.num_waiting = 0
+        self.steps = 0
+        self.tokens_generated = 0
+
+    def run(self) -> None:
+        """Step until a ``Stop`` arrives, then end every stream, late arrivals included."""
+        with torch.inference_mode():
+            while not self.stopping:
+                emits: Emits = []
+                self._drain_inbox(emits, block=not (self.running or self.waiting))
+                if self.stopping:
+                    self._abort_all(emits)
+                elif self.waiting and len(self.running) < self.max_num_seqs:
+                    try:
+                        self._prefill_step(emits)
+                    except Exception as exc:  # only the group fails; the running cache is intact
+                        logger.exception("hf engine: prefill failed; failing its requests")
+                        self._fail(self._prefilling, exc, emits)
+                elif self.running:
+                    try:
+                        self._decode_step(emits)
+                    except Exception as exc:
+                        logger.exception("hf engine: decode step failed; failing the batch")
+                        self._fail(self.running, exc, emits)
+                        self.running = []
+                        self.runner.reset_cache()
+                self._prefilling = []
+                self._publish()
+                deliver(emits)
+        self._refuse_late_requests()
+
+    def _refuse_late_requests(self) -> None:
+        """Requests that raced with shutdown still get a final output."""
+        emits: Emits = []
+        while True:
+            try:
+                cmd = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, Add):
+                emits.append((cmd.request.sink, EngineOutput([], finish_reason="abort")))
+        deliver(emits)
+
+    def _drain_inbox(self, emits: Emits, block: bool) -> None:
+        """Apply queued commands in order (an abort never hits a later request with its id)."""
+        try:
+            cmd = self.inbox.get() if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(cmd, Stop):
+                self.stopping = True
+            elif isinstance(cmd, Add):
+                self.waiting.append(cmd.request)
+            else:
+                self._apply_aborts({cmd.request_id}, emits)
+            try:
+                cmd = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+
+    def _apply_aborts(self, ids: set[str], emits: Emits) -> None:
+        kept: deque[Request] = deque()
+        for req in self.waiting:
+            if req.request_id in ids:
+                emits.append((req.sink, EngineOutput([], finish_reason="abort")))
+            else:
+                kept.append(req)
+        self.waiting = kept
+        for req in self.running:
+            if req.request_id in ids and req.finish is None:
+                req.finish = "abort"
+                emits.append((req.sink, EngineOutput([], finish_reason="abort")))
+        self._drop_finished()
+
+    def _abort_all(self, emits: Emits) -> None:
+        ids = {r.request_id for r in self.waiting} | {r.request_id for r in self.running}
+        self._apply_aborts(ids, emits)
+
+    @staticmethod
+    def _fail(requests: list[Request], exc: Exception, emits: Emits) -> None:
+        """End the streams of ``requests`` with an error (once each)."""
+        for req in requests:
+            if req.finish is None:
+                req.finish = "abort"
+                emits.append((req.sink, exc))
+
+    def _publish(self) -> None:
+        self.num_running = len(self.running)
+        self.num_waiting = len(self.waiting)
+
+    def _next_group(self) -> list[Request]:
+        """FIFO requests for one prefill forward, within free slots and the token budget."""
+        free = self.max_num_seqs - len(self.running)
+        group: list[Request] = []
+        longest = 0
+        for req in self.waiting:
+            wants_prompt_lp = req.params.prompt_logprobs is not None
+            if group and (wants_prompt_lp or group[0].params.prompt_logprobs is not None):
+                break  # full-logit prefills run alone: their logits are [P, V]
+            if group and req.media is not None:
+                break
+            new_longest = max(longest, len(req.prompt))
+            if group and new_longest * (len(group) + 1) > MAX_PREFILL_TOKENS:
+                break
+            if len(group) >= free:
+                break
+            group.append(req)
+            longest = new_longest
+            if req.media is not None:
+                break
+        for _ in group:
+            self.waiting.popleft()
+        return group
+
+    def _prefill_step(self, emits: Emits) -> None:
+        group = self._prefilling = self._next_group()
+        prefilled = self.runner.prefill(group)
+        self.steps += 1
+        self._sample_and_emit(
+            group, prefilled.logits, emits, first=True, prompt=prefilled.prompt_logprobs
+        )
+        alive = [i for i, r in enumerate(group) if r.finish is None]
+        if alive:
+            self.runner.join(prefilled, alive)
+            self.running.extend(group[i] for i in alive)
+
+    def _decode_step(self, emits: Emits) -> None:
+        logits = self.runner.decode(self.running)
+        self.steps += 1
+        self._sample_and_emit(self.running, logits, emits, first=False)
+        self._drop_finished()
+
+    def _sample_and_emit(
+        self,
+        rows: list[Request],
+        logits: torch.Tensor,
+        emits: Emits,
+        *,
+        first: bool,
+        prompt: list[TokenLogprob | None] | None = None,
+    ) -> None:
+        result = self.runner.sample(rows, logits)
+        self.tokens_generated += len(rows)
+        for i, (req, token) in enumerate(zip(rows, result.token_ids, strict=True)):
+            req.output.append(token)
+            req.last_token = token
+            req.finish, stop_reason = self._finish(req, token)
+            lp = result.logprobs[i]
+            out = EngineOutput(
+                new_token_ids=[token],
+                logprobs=[lp] if lp is not None else None,
+                finish_reason=req.finish,
+                stop_reason=stop_reason,
+            )
+            if first:
+                out.num_prompt_tokens = len(req.prompt)
+                if prompt is not None and i == 0:
+                    out.prompt_logprobs = prompt
+            emits.append((req.sink, out))
+
+    def _finish(self, req: Request, token: int) -> tuple[FinishReason | None, int | None]:
+        """Whether ``token`` ends the request, and its stop reason (see ``EngineOutput``).
+
+        eos is checked before ``stop_token_ids``, as in vLLM: an eos id the request also lists
+        as a stop id reports ``None`` unless ``ignore_eos`` is set.
+        """
+        p = req.params
+        n = len(req.output)
+        if n >= p.min_tokens:
+            if not p.ignore_eos and token in self.runner.eos_token_ids:
+                return "stop", None
+            if token in p.stop_token_ids:
+                return "stop", token
+        if n >= p.max_tokens or len(req.prompt) + n >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _drop_finished(self) -> None:
+        """Remove finished rows from the cache and mirror the cache's row moves."""
+        done = [i for i, r in enumerate(self.running) if r.finish is not None]
+        if not done:
+            return
+        moves = self.runner.drop(done)
+        rows = self.running
+        for src, dst in moves:
+            rows[dst] = rows[src]
+        del rows[len(rows) - len(done) :]
