@@ -71,8 +71,8 @@ class EngineOutput:
     ``stop_reason`` says why a choice stopped, as vLLM's output does; it is set only on the
     final output. It is the token id when one of ``stop_token_ids`` ended the choice (the id is
     the last of ``new_token_ids``), and None when eos ended it (vLLM reports eos as None too),
-    for "length" and "abort", and on every earlier output. A ``str`` is for engines that stop on
-    stop strings themselves (vLLM); the hf engine never sets one.
+    for "length" and "abort", and on every earlier output. A ``str`` is the stop string that
+    ended it: set by the pipeline's generation job, which matches stop strings above the engine.
     """
 
     new_token_ids: list[int]
