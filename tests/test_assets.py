@@ -31,7 +31,8 @@ from tokenwire.assets.qwen_tokenizer import (
     SPECIAL_TOKENS,
     load_reference_cases,
 )
-from tokenwire.assets.sources import LLAMA_CPP_SDIST_ENV, llama_cpp_sdist
+from tokenwire.assets.sources import llama_cpp_sdist
+from tokenwire.settings import LLAMA_CPP_SDIST_ENV
 
 QWEN3_VOCAB = 151669
 

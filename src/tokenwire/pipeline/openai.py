@@ -16,11 +16,12 @@ from tokenwire.engine.base import EngineOutput
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.decoder import PLAIN, ChoiceDecoder, ChoiceStep, DecodeOptions, Parsing
 from tokenwire.pipeline.derender import logprobs_fragment, message_json
-from tokenwire.pipeline.generate import start_job, usage_json
+from tokenwire.pipeline.generate import start_job
 from tokenwire.pipeline.jobs import GenerationJob, merge
 from tokenwire.pipeline.logprobs import engine_logprob_columns
 from tokenwire.pipeline.parsing import chat_parsing
 from tokenwire.pipeline.render import chat_prompt, completion_prompts
+from tokenwire.pipeline.response_json import completion_json, usage_json
 from tokenwire.pipeline.stream_derender import chat_chunk_choice
 from tokenwire.protocol.generate import StreamOptions
 from tokenwire.protocol.openai import ChatCompletionRequest, CompletionRequest
@@ -100,14 +101,15 @@ class CompletionRun:
                 )
                 step = self._step(self._decoder(job), output, final=True)
                 choices.append(self._choice_json(len(choices), step, whole=True))
-        return {
-            "id": self.id,
-            "object": self.kind,
-            "created": self.created,
-            "model": self.pipeline.config.served_name,
-            "choices": choices,
-            "usage": usage_json(self._prompt_tokens(), completion_tokens),
-        }
+        return completion_json(
+            response_id=self.id,
+            kind=self.kind,
+            created=self.created,
+            model=self.pipeline.config.served_name,
+            choices=choices,
+            prompt_tokens=self._prompt_tokens(),
+            completion_tokens=completion_tokens,
+        )
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         """One chunk per choice delta, an optional usage chunk; the jobs end with the stream."""

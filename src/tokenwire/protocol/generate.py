@@ -15,7 +15,7 @@ MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 # vLLM SamplingParams fields that tokenwire accepts and ignores: they change no token ids.
 NO_EFFECT_FIELDS = frozenset(
     {
-        "skip_special_tokens",  # text only; generate returns ids
+        "skip_special_tokens",  # text only (derender, OpenAI routes); generate returns ids
         "spaces_between_special_tokens",  # text only
         "include_stop_str_in_output",  # text only; the stop token is always in token_ids
         "output_kind",  # tokenwire always streams deltas and returns the final result

@@ -1,0 +1,34 @@
+"""The JSON envelopes every completion-shaped answer shares (OpenAI's and vLLM's)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def usage_json(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_json(
+    *,
+    response_id: str,
+    kind: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> dict[str, Any]:
+    """A ``chat.completion`` or ``text_completion`` response."""
+    return {
+        "id": response_id,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_json(prompt_tokens, completion_tokens),
+    }
