@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint bench
+.PHONY: install serve test lint bench fuzz load
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,3 +33,9 @@ bench: install
 	$(PY) bench/bench_derender.py
 	$(PY) bench/bench_generate.py
 	$(PY) bench/bench_media.py
+
+# Schemathesis against the servers' own OpenAPI documents, many examples with fresh randomness
+# (the suite runs a few, the same each time). FUZZ_EXAMPLES per operation and mode.
+FUZZ_EXAMPLES ?= 300
+fuzz: install
+	TOKENWIRE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -p no:cacheprovider tests/test_schemathesis.py

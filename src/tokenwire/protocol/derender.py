@@ -56,12 +56,20 @@ class GenerateChoiceIn(RequestModel):
     stop_reason: int | str | None = None
 
 
+class UsageIn(RequestModel):
+    """Token counts as generate reports them; a streamed derender passes them on."""
+
+    prompt_tokens: Annotated[int, Field(ge=0, le=2**63 - 1)]
+    completion_tokens: Annotated[int, Field(ge=0, le=2**63 - 1)]
+    total_tokens: Annotated[int, Field(ge=0, le=2**63 - 1)]
+
+
 class GenerateResponseIn(RequestModel):
     request_id: str = ""
     model: str | None = None
     created: int | None = None
     choices: list[GenerateChoiceIn] = Field(min_length=1)
-    usage: dict[str, Any] | None = None
+    usage: UsageIn | None = None
 
     @field_validator("choices")
     @classmethod
@@ -77,7 +85,7 @@ class GenerateChunkIn(RequestModel):
 
     request_id: str = ""
     choices: list[GenerateChoiceIn] = Field(default_factory=list)
-    usage: dict[str, Any] | None = None
+    usage: UsageIn | None = None
 
 
 class ChatDerenderRequest(RequestModel):

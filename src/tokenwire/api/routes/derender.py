@@ -14,11 +14,19 @@ from tokenwire.protocol.derender import (
     ChatDerenderStreamRequest,
     CompletionDerenderRequest,
 )
+from tokenwire.protocol.responses import (
+    ChatCompletionResponse,
+    ChatDerenderChunk,
+    CompletionResponse,
+)
 
 router = APIRouter(tags=["derender"])
 
 
-@router.post("/v1/chat/completions/derender")
+@router.post(
+    "/v1/chat/completions/derender",
+    response_model=ChatCompletionResponse | ChatDerenderChunk,
+)
 async def derender_chat(body: ChatDerenderBody, request: Request) -> Response:
     pipeline = pipeline_of(request)
     if isinstance(body, ChatDerenderStreamRequest):
@@ -26,6 +34,6 @@ async def derender_chat(body: ChatDerenderBody, request: Request) -> Response:
     return OrjsonResponse(await derendering.derender_chat(pipeline, body))
 
 
-@router.post("/v1/completions/derender")
+@router.post("/v1/completions/derender", response_model=CompletionResponse)
 async def derender_completion(body: CompletionDerenderRequest, request: Request) -> Response:
     return OrjsonResponse(await derendering.derender_completion(pipeline_of(request), body))
