@@ -39,3 +39,8 @@ bench: install
 FUZZ_EXAMPLES ?= 300
 fuzz: install
 	TOKENWIRE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -p no:cacheprovider tests/test_schemathesis.py
+
+# Bounded load test on 127.0.0.1 against its own embedded server; exits 1 on any failure.
+LOAD_ARGS ?=
+load: install
+	$(PY) bench/load.py $(LOAD_ARGS)
