@@ -36,7 +36,7 @@ bench: install
 
 # Schemathesis against the servers' own OpenAPI documents, many examples with fresh randomness
 # (the suite runs a few, the same each time). FUZZ_EXAMPLES per operation and mode.
-FUZZ_EXAMPLES ?= 300
+FUZZ_EXAMPLES ?= 100
 fuzz: install
 	TOKENWIRE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -p no:cacheprovider tests/test_schemathesis.py
 

@@ -144,8 +144,8 @@ def bound(path: str, body: Any, served_name: str, name_it: bool) -> None:
     for holder in (body, body.get("sampling_params")):
         if isinstance(holder, dict):
             for key, cap in CAPS.items():
-                value = holder.get(key)
-                if isinstance(value, int) and not isinstance(value, bool) and value > cap:
+                value = number(holder.get(key))
+                if value is not None and value > cap:
                     holder[key] = cap
     if path in LENGTH_FIELD:
         parent, key = LENGTH_FIELD[path]
@@ -157,14 +157,26 @@ def bound(path: str, body: Any, served_name: str, name_it: bool) -> None:
     avoid_known_bugs(body)
 
 
+def number(value: Any) -> float | None:
+    """The number a lax validator reads in ``value`` (``5.0`` and ``"5"`` pass as 5 today)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
 # TEMPORARY, until issue 9's fixes land (the lead is on them); delete each with its fix.
 # Item 1: sampling values that overflow float32 make NaN logits and a 500.
 SAMPLING_FLOATS = frozenset(
     {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
 )
 FLOAT32_MAX, FLOAT32_TINY = 3.4e38, 1.2e-38
-# Item 4: render echoes these beyond 64 bits and the serializer fails.
-ECHOED_INTS = frozenset({"seed", "top_k", "priority"})
+# Item 4: render echoes these beyond 64 bits and the serializer fails (stop_token_ids too).
+ECHOED_INTS = frozenset({"seed", "top_k", "priority", "stop_token_ids"})
 INT64_MAX = 2**63 - 1
 
 
@@ -173,12 +185,20 @@ def avoid_known_bugs(body: dict[str, Any]) -> None:
         if not isinstance(holder, dict):
             continue
         for key, value in holder.items():
-            unsampleable = isinstance(value, float) and not FLOAT32_TINY < abs(value) < FLOAT32_MAX
-            if key in SAMPLING_FLOATS and unsampleable and value != 0:
+            read = number(value)
+            if key in SAMPLING_FLOATS and read and not FLOAT32_TINY < abs(read) < FLOAT32_MAX:
                 holder[key] = 1.0
-            if key in ECHOED_INTS and isinstance(value, int) and abs(value) > INT64_MAX:
-                holder[key] = 0
+            if key in ECHOED_INTS:
+                holder[key] = within_int64(value)
     replace_lone_surrogates(body)
+
+
+def within_int64(value: Any) -> Any:
+    if isinstance(value, list):
+        return [within_int64(item) for item in value]
+    if isinstance(value, int) and abs(value) > INT64_MAX:
+        return 0
+    return value
 
 
 def replace_lone_surrogates(value: Any) -> Any:
