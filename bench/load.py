@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serverbench import ServerProcess, free_port, tokenwire_command
+from serverbench import ServerProcess, cpu_seconds, free_port, tokenwire_command
 
 # The poison of issue 9 item 1: a penalty that is 0 in float32 makes inf logits, and top-k's
 # candidate draw then fails (today a 500 that failed the whole running batch). 1e308 does not
@@ -213,13 +213,20 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError("no VmRSS")
 
 
-def slots_in_use(url: str) -> int:
-    """Running plus waiting engine requests, from the /metrics gauges."""
-    total = 0
+def engine_gauges(url: str) -> dict[str, float]:
+    """The ``tokenwire_engine_*`` gauges of /metrics, by their short name."""
+    gauges = {}
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(("tokenwire_engine_running_requests ", "tokenwire_engine_waiting_requ")):
-            total += int(float(line.split()[-1]))
-    return total
+        if line.startswith("tokenwire_engine_"):
+            name, value = line.split()
+            gauges[name.removeprefix("tokenwire_engine_")] = float(value)
+    return gauges
+
+
+def slots_in_use(url: str) -> int:
+    """Running plus waiting engine requests."""
+    gauges = engine_gauges(url)
+    return int(gauges["running_requests"] + gauges["waiting_requests"])
 
 
 def settle(url: str, timeout_s: float = 60) -> int:
@@ -278,9 +285,12 @@ def main() -> int:
         settle(url)
         rss_before = rss_mib(pid)
         print(f"server pid {pid}; {args.clients} clients for {args.duration:.0f} s on {url}")
-        started = time.perf_counter()
+        started, cpu_before = time.perf_counter(), cpu_seconds(pid)
+        tokens_before = engine_gauges(url)["tokens_generated"]
         run = asyncio.run(drive(url, args.clients, args.duration, prompts, not args.no_poison))
         elapsed = time.perf_counter() - started
+        server_cpu = cpu_seconds(pid) - cpu_before
+        tokens = engine_gauges(url)["tokens_generated"] - tokens_before
         slots = settle(url)
         rss_after = rss_mib(pid)
         load_after = os.getloadavg()
@@ -288,6 +298,10 @@ def main() -> int:
     finally:
         server.stop()
 
+    print(
+        f"server CPU {server_cpu:.0f} s in {elapsed:.0f} s; {tokens:.0f} tokens generated "
+        f"({tokens / elapsed:.1f}/s)"
+    )
     print(f"\npoison {POISON}: {run.poison}")
     print(
         f"RSS MiB: idle {rss_idle:.0f}, warm (before) {rss_before:.0f}, after {rss_after:.0f} "
