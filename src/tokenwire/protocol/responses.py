@@ -55,11 +55,17 @@ class GenerateChunk(BaseModel):
     usage: Usage | None = None
 
 
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"]
+class ChatDelta(BaseModel):
+    """What a streamed chunk adds to the assistant message (the role on the first only)."""
+
+    role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[JsonObject] | None = None
+
+
+class AssistantMessage(ChatDelta):
+    role: Literal["assistant"]
 
 
 class ChatChoice(BaseModel):
@@ -76,13 +82,6 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[JsonObject] | None = None
 
 
 class ChatChunkChoice(BaseModel):
