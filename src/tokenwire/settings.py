@@ -45,6 +45,8 @@ class Settings:
     media_timeout_s: float = 10.0
     allowed_local_media_path: Path | None = None
     media_cache_bytes: int = 512 * 2**20
+    max_images_per_request: int = 8
+    max_image_pixels_per_request: int = 48 * 2**20
     device: str | None = None
     enable_rl_control: bool = False
 
@@ -67,6 +69,8 @@ class Settings:
             max_bytes=self.max_media_bytes,
             timeout_s=self.media_timeout_s,
             allowed_local_path=self.allowed_local_media_path,
+            max_images_per_request=self.max_images_per_request,
+            max_image_pixels_per_request=self.max_image_pixels_per_request,
         )
 
 
@@ -145,6 +149,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--media-timeout-s", type=float, default=env_or("media_timeout_s", d.media_timeout_s))
     add("--allowed-local-media-path", type=Path, default=env_or("allowed_local_media_path", None))
     add("--media-cache-bytes", type=int, default=env_or("media_cache_bytes", d.media_cache_bytes))
+    add(
+        "--max-images-per-request",
+        type=int,
+        default=env_or("max_images_per_request", d.max_images_per_request),
+    )
+    add(
+        "--max-image-pixels-per-request",
+        type=int,
+        default=env_or("max_image_pixels_per_request", d.max_image_pixels_per_request),
+        help="pixels one request may make the server decode (read from image headers first)",
+    )
     add("--device", default=env_or("device", None), help="cpu or cuda (default: cuda if present)")
     add(
         "--enable-rl-control",
@@ -172,6 +187,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "max_n",
         "max_media_bytes",
         "media_cache_bytes",
+        "max_images_per_request",
+        "max_image_pixels_per_request",
     ):
         if values.get(name) is not None:
             values[name] = int(values[name])
