@@ -17,6 +17,7 @@ from tokenwire.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
 
 if TYPE_CHECKING:
     from tokenwire.media.policy import MediaPolicy
+    from tokenwire.text.chat_template import TemplateLimits
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -31,6 +32,10 @@ class Settings:
     chat_template: Path | None = None
     api_key: str | None = None
     trust_request_chat_template: bool = False
+    request_template_workers: int = 2
+    request_template_timeout_s: float = 5.0
+    request_template_max_chars: int = 4 * 2**20
+    request_template_memory_bytes: int = 2**30
     max_request_bytes: int = 64 * 2**20
     log_level: str = "info"
     max_num_seqs: int = 64
@@ -71,6 +76,17 @@ class Settings:
             allowed_local_path=self.allowed_local_media_path,
             max_images_per_request=self.max_images_per_request,
             max_image_pixels_per_request=self.max_image_pixels_per_request,
+        )
+
+    def request_template_limits(self) -> TemplateLimits:
+        """The ``--request-template-*`` flags as the template workers' limits."""
+        from tokenwire.text.chat_template import TemplateLimits
+
+        return TemplateLimits(
+            workers=self.request_template_workers,
+            timeout_s=self.request_template_timeout_s,
+            max_chars=self.request_template_max_chars,
+            memory_bytes=self.request_template_memory_bytes,
         )
 
 
@@ -118,6 +134,28 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--trust-request-chat-template",
         action="store_true",
         default=_env_bool("trust_request_chat_template"),
+    )
+    add(
+        "--request-template-workers",
+        type=int,
+        default=env_or("request_template_workers", d.request_template_workers),
+        help="processes rendering request templates; more requests wait",
+    )
+    add(
+        "--request-template-timeout-s",
+        type=float,
+        default=env_or("request_template_timeout_s", d.request_template_timeout_s),
+    )
+    add(
+        "--request-template-max-chars",
+        type=int,
+        default=env_or("request_template_max_chars", d.request_template_max_chars),
+        help="rendered text and each filter result of a request template",
+    )
+    add(
+        "--request-template-memory-bytes",
+        type=int,
+        default=env_or("request_template_memory_bytes", d.request_template_memory_bytes),
     )
     add("--max-request-bytes", type=int, default=env_or("max_request_bytes", d.max_request_bytes))
     add(
@@ -189,10 +227,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "media_cache_bytes",
         "max_images_per_request",
         "max_image_pixels_per_request",
+        "request_template_workers",
+        "request_template_max_chars",
+        "request_template_memory_bytes",
     ):
         if values.get(name) is not None:
             values[name] = int(values[name])
-    values["media_timeout_s"] = float(values["media_timeout_s"])
+    for name in ("media_timeout_s", "request_template_timeout_s"):
+        values[name] = float(values[name])
     for name in ("chat_template", "allowed_local_media_path"):
         if values.get(name) is not None:
             values[name] = Path(values[name])

@@ -24,7 +24,11 @@ from tokenwire.media.service import MediaService
 from tokenwire.model_source import resolve_model_dir
 from tokenwire.pipeline.context import ModelRuntime, Pipeline, ServingConfig
 from tokenwire.settings import Settings
-from tokenwire.text.chat_template import ChatTemplate, load_model_chat_template
+from tokenwire.text.chat_template import (
+    ChatTemplate,
+    RequestTemplateWorkers,
+    load_model_chat_template,
+)
 from tokenwire.text.token_table import token_table
 from tokenwire.text.token_text import TokenTextDecoder
 from tokenwire.text.tokenizer import Tokenizer
@@ -49,6 +53,8 @@ def create_app(settings: Settings) -> FastAPI:
             if pipeline.runtime is not None:
                 await pipeline.runtime.engine.shutdown()
                 await pipeline.runtime.media.aclose()
+                if pipeline.runtime.request_templates is not None:
+                    await pipeline.runtime.request_templates.aclose()
 
     app = FastAPI(
         title="tokenwire",
@@ -94,6 +100,12 @@ async def _load_runtime(pipeline: Pipeline, settings: Settings, metrics: Metrics
             on_cache_hit=metrics.media_cache_hits.labels("image").inc,
             on_cache_miss=metrics.media_cache_misses.labels("image").inc,
         )
+        request_templates = None
+        if settings.trust_request_chat_template:
+            request_templates = RequestTemplateWorkers(
+                settings.request_template_limits(), tokenizer.special_tokens_map
+            )
+            await request_templates.start()
         engine = HFEngine(
             model_dir,
             max_model_len=settings.max_model_len,
@@ -117,6 +129,7 @@ async def _load_runtime(pipeline: Pipeline, settings: Settings, metrics: Metrics
         eos_token_ids=frozenset(engine.eos_token_ids),
         media=media,
         decoder=TokenTextDecoder(tokenizer, table),
+        request_templates=request_templates,
     )
     logger.info(
         "model %s ready from %s (max_model_len=%d)",

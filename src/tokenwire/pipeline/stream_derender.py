@@ -92,7 +92,7 @@ async def derender_chat_chunk(
     runtime = pipeline.ready(body.model)
     if body.stream_state is None:
         chat = body.chat_request
-        parsing = chat_parsing(pipeline, runtime, chat, body.prompt_token_ids)
+        parsing = await chat_parsing(pipeline, runtime, chat, body.prompt_token_ids)
         stream = StreamState(parsing, DecodeOptions.of(chat), {})
     else:
         stream = StreamState.loads(body.stream_state, pipeline)
