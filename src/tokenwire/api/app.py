@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from tokenwire import __version__
-from tokenwire.api.asgi import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
-from tokenwire.api.errors import install_error_handlers
+from tokenwire.api.asgi import ApiKeyMiddleware, RequestBodyMiddleware, RequestIdMiddleware
+from tokenwire.api.errors import UnexpectedErrorMiddleware, install_error_handlers
 from tokenwire.api.metrics import Metrics, MetricsMiddleware
 from tokenwire.api.openapi import install_openapi
 from tokenwire.api.routes import control, derender, generate, info, openai, render, sglang, tokenize
@@ -69,8 +69,14 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(sglang.router)
     if settings.enable_rl_control:
         app.include_router(control.router)
-    # Outermost last: ids on every response, then metrics, auth, and the body limit.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    # Outermost last: ids on every response, then metrics, auth, the body checks, and bugs
+    # answered as JSON 500s.
+    app.add_middleware(UnexpectedErrorMiddleware)
+    app.add_middleware(
+        RequestBodyMiddleware,
+        max_bytes=settings.max_request_bytes,
+        read_timeout_s=settings.request_read_timeout_s,
+    )
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
