@@ -51,8 +51,11 @@ async def chat_prompt(
         param="messages",
     )
     check_n(pipeline.config, sampling.n)
-    request_id = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-    return ChatPrompt(request_id, rendered, sampling)
+    return ChatPrompt(chat_request_id(body), rendered, sampling)
+
+
+def chat_request_id(body: ChatCompletionRequest) -> str:
+    return body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
 
 
 async def completion_prompts(
