@@ -10,6 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.chat_fixtures import WEATHER_TOOL
 from tests.conftest import assert_error
@@ -318,3 +320,43 @@ def test_bad_input(qwen3: httpx.Client, change: dict, status: int, message: str)
 def test_needs_the_api_key(qwen3_server) -> None:
     response = httpx.post(f"{qwen3_server.url}{EXTEND}", json={})
     assert_error(response, 401)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    previous_ids=st.lists(st.integers(0, 151668), min_size=1, max_size=40),
+    reply=st.text(max_size=30),
+    new_role=st.sampled_from(["user", "tool", "system", "assistant", "x"]),
+    kwargs=st.sampled_from([ON, OFF, {}]),
+    keep_history=st.booleans(),
+)
+def test_any_previous_ids_answer_without_5xx(
+    qwen3: httpx.Client,
+    previous_ids: list[int],
+    reply: str,
+    new_role: str,
+    kwargs: dict,
+    keep_history: bool,
+) -> None:
+    """Whatever ids and reply text arrive, the answer is a render or a clear 400, and an
+    extended one starts with the kept ids."""
+    previous = [*QUESTION, {"role": "assistant", "content": reply}]
+    prefix = prompt_ids(qwen3, QUESTION, kwargs) if keep_history else []
+    response = qwen3.post(
+        EXTEND,
+        json={
+            "previous_token_ids": [*prefix, *previous_ids],
+            "previous_messages": previous,
+            "messages": [{"role": new_role, "content": "ok"}],
+            "chat_template_kwargs": kwargs,
+            "keep_history": keep_history,
+            "max_tokens": 1,
+        },
+    )
+    assert response.status_code in (200, 400), response.text
+    if response.status_code == 200:
+        body = response.json()
+        sent = [*prefix, *previous_ids]
+        kept = body["kept_tokens"]
+        assert body["token_ids"][:kept] == sent[:kept]
+        assert body["extended"] == (kept > 0)
