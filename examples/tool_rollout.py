@@ -101,7 +101,7 @@ async def run_rollout(
         tools=[WEATHER_TOOL],
         chat_template_kwargs=kwargs,
         max_turns=max_turns,
-        prefill=(lambda _: scripted_opening(rng, thinking is not False)) if scripted else None,
+        prefill=(lambda _: scripted_opening(rng, thinking is True)) if scripted else None,
         max_tokens=max_tokens,
         temperature=1.0,
         seed=seed,

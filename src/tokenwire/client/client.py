@@ -7,7 +7,7 @@ errors come back as the typed exceptions of ``errors`` (from the server's JSON e
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import httpx
 
@@ -26,15 +26,9 @@ from tokenwire.client.types import (
 )
 
 T = TypeVar("T")
+H = TypeVar("H", httpx.Client, httpx.AsyncClient)
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT_S = 600.0  # long generations are normal in RL
-
-
-def _headers(api_key: str | None, headers: Mapping[str, str] | None) -> dict[str, str]:
-    merged = dict(headers or {})
-    if api_key:
-        merged["Authorization"] = f"Bearer {api_key}"
-    return merged
 
 
 def _read(call: Call[T], response: httpx.Response) -> T:
@@ -43,8 +37,10 @@ def _read(call: Call[T], response: httpx.Response) -> T:
     return call.read(response.json())
 
 
-class Client:
-    """Blocking client; ``with Client(url) as client: client.render_chat(...)``."""
+class _Connection(Generic[H]):
+    """The httpx client both flavours wrap: one given, or one made from url, key and timeout."""
+
+    _http_class: type[H]
 
     def __init__(
         self,
@@ -53,11 +49,20 @@ class Client:
         api_key: str | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
         headers: Mapping[str, str] | None = None,
-        http_client: httpx.Client | None = None,
+        http_client: H | None = None,
     ) -> None:
-        self.http = http_client or httpx.Client(
-            base_url=base_url, headers=_headers(api_key, headers), timeout=timeout
+        merged = dict(headers or {})
+        if api_key:
+            merged["Authorization"] = f"Bearer {api_key}"
+        self.http: H = http_client or self._http_class(
+            base_url=base_url, headers=merged, timeout=timeout
         )
+
+
+class Client(_Connection[httpx.Client]):
+    """Blocking client; ``with Client(url) as client: client.render_chat(...)``."""
+
+    _http_class = httpx.Client
 
     def __enter__(self) -> Client:
         return self
@@ -159,21 +164,10 @@ class Client:
         return self.send(calls.completion(prompt, **fields))
 
 
-class AsyncClient:
+class AsyncClient(_Connection[httpx.AsyncClient]):
     """The same endpoints for asyncio; many rollouts share one (the server batches them)."""
 
-    def __init__(
-        self,
-        base_url: str = DEFAULT_URL,
-        *,
-        api_key: str | None = None,
-        timeout: float = DEFAULT_TIMEOUT_S,
-        headers: Mapping[str, str] | None = None,
-        http_client: httpx.AsyncClient | None = None,
-    ) -> None:
-        self.http = http_client or httpx.AsyncClient(
-            base_url=base_url, headers=_headers(api_key, headers), timeout=timeout
-        )
+    _http_class = httpx.AsyncClient
 
     async def __aenter__(self) -> AsyncClient:
         return self

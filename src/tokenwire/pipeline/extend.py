@@ -24,8 +24,8 @@ from tokenwire.pipeline.chat_render import render_template_text
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.offload import run_text_work
-from tokenwire.pipeline.render import chat_request_id, generate_request_json
-from tokenwire.pipeline.validation import check_n, check_token_ids, request_sampling
+from tokenwire.pipeline.render import chat_request_id, chat_sampling, generate_request_json
+from tokenwire.pipeline.validation import check_token_ids
 from tokenwire.protocol.chat import ChatMessage
 from tokenwire.protocol.extend import ExtendRequest
 
@@ -67,15 +67,7 @@ async def extend_chat(pipeline: Pipeline, body: ExtendRequest) -> dict[str, Any]
     check_token_ids(runtime, body.previous_token_ids, "previous_token_ids")
     size = sum(len(str(m.content or "")) for m in [*body.previous_messages, *body.messages])
     result = await run_text_work(size, lambda: extend_ids(pipeline, runtime, body))
-    sampling = request_sampling(
-        runtime,
-        body,
-        result.token_ids,
-        max_tokens=body.requested_max_tokens,
-        logprobs=body.num_logprobs,
-        param="previous_token_ids",
-    )
-    check_n(pipeline.config, sampling.n)
+    sampling = chat_sampling(pipeline, runtime, body, result.token_ids, param="previous_token_ids")
     response = generate_request_json(
         pipeline, chat_request_id(body), result.token_ids, sampling, body
     )
