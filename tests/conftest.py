@@ -106,6 +106,12 @@ def qwen3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="session")
+def rl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """SmolLM2 with the RL control routes, for tests that pause it and swap its weights."""
+    yield from _start(tmp_path_factory, "rl", ["--enable-rl-control"], api_key=API_KEY)
+
+
+@pytest.fixture(scope="session")
 def vl_media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The folder ``qwen2vl_server`` may read ``file:`` media from (tests put files in it)."""
     return tmp_path_factory.mktemp("vl-media")

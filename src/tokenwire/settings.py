@@ -46,6 +46,7 @@ class Settings:
     allowed_local_media_path: Path | None = None
     media_cache_bytes: int = 512 * 2**20
     device: str | None = None
+    enable_rl_control: bool = False
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -145,6 +146,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--allowed-local-media-path", type=Path, default=env_or("allowed_local_media_path", None))
     add("--media-cache-bytes", type=int, default=env_or("media_cache_bytes", d.media_cache_bytes))
     add("--device", default=env_or("device", None), help="cpu or cuda (default: cuda if present)")
+    add(
+        "--enable-rl-control",
+        action="store_true",
+        default=_env_bool("enable_rl_control"),
+        help="serve pause/resume, weight reload and weight version routes",
+    )
 
 
 def _split(value: str | None) -> list[str] | None:

@@ -17,7 +17,17 @@ from tokenwire.api.asgi import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdM
 from tokenwire.api.errors import install_error_handlers
 from tokenwire.api.metrics import Metrics, MetricsMiddleware
 from tokenwire.api.openapi import install_openapi
-from tokenwire.api.routes import derender, extend, generate, info, openai, render, tokenize
+from tokenwire.api.routes import (
+    control,
+    derender,
+    extend,
+    generate,
+    info,
+    openai,
+    render,
+    sglang,
+    tokenize,
+)
 from tokenwire.engine.hf import HFEngine
 from tokenwire.media.prompt import IMAGE_PAD
 from tokenwire.media.service import MediaService
@@ -67,6 +77,9 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(generate.router)
     app.include_router(derender.router)
     app.include_router(openai.router)
+    app.include_router(sglang.router)
+    if settings.enable_rl_control:
+        app.include_router(control.router)
     # Outermost last: ids on every response, then metrics, auth, and the body limit.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key:

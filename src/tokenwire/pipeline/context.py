@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from tokenwire.engine.base import Engine
+from tokenwire.engine.base import Engine, PauseMode
 from tokenwire.media.service import MediaService
 from tokenwire.parsers import ReasoningParser, ToolParser, get_reasoning_parser, get_tool_parser
 from tokenwire.pipeline.errors import NotReady, UnknownModel
@@ -73,6 +73,15 @@ class ModelRuntime:
     decoder: TokenTextDecoder
 
 
+@dataclass(slots=True)
+class ControlState:
+    """What the RL control routes set (see ``pipeline.control``); every new request reads it."""
+
+    pause_mode: PauseMode | None = None
+    sleeping: bool = False
+    reloads: int = 0  # numbers the versions of reloads that name none
+
+
 # Request-supplied templates (trusted servers only) compiled once, least recently used out.
 MAX_CACHED_REQUEST_TEMPLATES = 16
 
@@ -86,6 +95,7 @@ class Pipeline:
     shutting_down: bool = False
     load_error: str | None = None
     jobs: JobRegistry = field(default_factory=JobRegistry)
+    control: ControlState = field(default_factory=ControlState)
     request_templates: OrderedDict[str, ChatTemplate] = field(default_factory=OrderedDict)
 
     def ready(self, model: str | None = None) -> ModelRuntime:

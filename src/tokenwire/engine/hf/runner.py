@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tokenwire.engine.base import EngineError, TokenLogprob
+from tokenwire.engine.base import EngineError, TokenLogprob, WeightsError
 from tokenwire.engine.hf.handoff import Request
 from tokenwire.engine.hf.kv_cache import PaddedBatchCache
 from tokenwire.engine.hf.mrope import prefill_positions
@@ -104,6 +104,31 @@ class ModelRunner:
         self.reset_cache()
         self._warm_up()
 
+    def swap_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy a checkpoint's tensors into the model in place, all or nothing.
+
+        Every tensor must name a parameter of the same shape, and every parameter must be given
+        (or share its storage with one that is: tied embeddings are saved once). Checked before
+        anything is copied, so a mismatch leaves the old weights untouched.
+        """
+        params = self.model.state_dict(keep_vars=True)
+        unexpected = sorted(set(tensors) - set(params))
+        if unexpected:
+            raise WeightsError(f"tensors the model does not have: {', '.join(unexpected[:5])}")
+        given = {params[name].data_ptr() for name in tensors}
+        missing = [n for n, p in params.items() if n not in tensors and p.data_ptr() not in given]
+        if missing:
+            raise WeightsError(f"tensors missing from the checkpoint: {', '.join(missing[:5])}")
+        for name, tensor in tensors.items():
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise WeightsError(
+                    f"{name} has shape {tuple(tensor.shape)}; the model's is "
+                    f"{tuple(params[name].shape)}"
+                )
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                params[name].copy_(tensor)
+
     def reset_cache(self) -> None:
         """An empty running cache (at load, and after a failed decode step)."""
         self.cache = PaddedBatchCache(self._num_layers, self.device)
@@ -139,12 +164,13 @@ class ModelRunner:
         """
         from transformers import DynamicCache
 
-        n, p = len(group), max(len(r.prompt) for r in group)
+        contexts = [req.context for req in group]
+        n, p = len(group), max(map(len, contexts))
         ids = torch.zeros(n, p, dtype=torch.long)
         mask = torch.zeros(n, p, dtype=torch.bool)
-        for i, req in enumerate(group):
-            ids[i, p - len(req.prompt) :] = torch.tensor(req.prompt)
-            mask[i, p - len(req.prompt) :] = True
+        for i, context in enumerate(contexts):
+            ids[i, p - len(context) :] = torch.tensor(context)
+            mask[i, p - len(context) :] = True
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
         if any(r.media is not None for r in group):
@@ -158,7 +184,7 @@ class ModelRunner:
             )
             for req, delta in zip(group, deltas, strict=True):
                 req.rope_delta = delta
-        full_logits = group[0].params.prompt_logprobs is not None
+        full_logits = group[0].wants_prompt_logprobs
         cache = DynamicCache()
         logits = self._prefill_forward(group, ids, mask, positions, cache, full_logits)
         for req in group:
@@ -167,6 +193,8 @@ class ModelRunner:
         if full_logits:
             prompt_lps = self._prompt_logprobs(logits[0], group[0])
         for req in group:
+            if req.sampler is not None:  # recomputed after a pause: same history, same generator
+                continue
             stops = tuple(req.params.stop_token_ids)
             if not req.params.ignore_eos:
                 stops += tuple(e for e in self.eos_token_ids if e not in stops)
