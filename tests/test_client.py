@@ -88,7 +88,7 @@ def test_completion_endpoints(client: Client) -> None:
     assert client.completion("Hello", max_tokens=2).choices[0].finish_reason == "length"
     chat = client.chat_completion(MESSAGES, max_tokens=2)
     assert chat.choices[0].message.role == "assistant"
-    assert client.abort(["no-such-request"]) is not None
+    assert client.abort(["no-such-request"]) == 0
 
 
 def test_typed_errors(client: Client, qwen3_server: Server) -> None:
@@ -127,3 +127,38 @@ def test_async_client(qwen3_server: Server) -> None:
             assert "previous_messages" in bad.value.message
 
     asyncio.run(run())
+
+
+def test_control_routes(rl_server: Server, qwen3_server: Server) -> None:
+    from tokenwire.assets import prepare
+
+    with Client(rl_server.url, api_key=API_KEY) as client:
+        control = client.control
+        assert control.load() == 0
+        control.pause("keep")
+        assert control.is_paused() is True
+        control.update_weight_version("named", abort_all_requests=False)
+        assert control.weight_version() == "named"
+        assert control.update_weights(str(prepare("smollm2-135m-instruct")), "step-1") == "step-1"
+        assert control.weight_version() == "step-1"
+        with pytest.raises(BadRequestError):
+            control.update_weights("/no/such/checkpoint")
+        control.resume()
+        assert control.is_paused() is False
+        control.sleep()
+        assert control.is_sleeping() is True
+        control.wake_up()
+        assert control.is_sleeping() is False
+        assert isinstance(control.reset_prefix_cache(), bool)
+        assert client.abort() == 0
+
+        async def run() -> None:
+            async with AsyncClient(rl_server.url, api_key=API_KEY) as aclient:
+                await aclient.control.pause("abort", clear_cache=True)
+                assert await aclient.control.is_paused()
+                await aclient.control.resume()
+                assert await aclient.control.weight_version() == "step-1"
+
+        asyncio.run(run())
+    with Client(qwen3_server.url, api_key=API_KEY) as client, pytest.raises(NotFoundError):
+        client.control.pause()

@@ -35,8 +35,9 @@ Messages = Sequence[Message]
 class Call(Generic[T]):
     method: str
     path: str
-    read: Callable[[Any], T]
+    read: Callable[[Any], T]  # gets the decoded JSON answer (None for an empty body)
     body: Any = None
+    params: dict[str, Any] | None = None  # query parameters (the control routes take some)
 
 
 def jsonable(value: Any) -> Any:
@@ -124,8 +125,10 @@ def generate(
     return Call("POST", "/inference/v1/generate", GenerateResult.model_validate, body)
 
 
-def abort(request_ids: Sequence[str]) -> Call[dict[str, Any]]:
-    return _post("/abort_requests", dict, request_ids=list(request_ids))
+def abort(request_ids: Sequence[str] | None) -> Call[int]:
+    """How many requests were aborted; ``None`` aborts every request in flight."""
+    ids = list(request_ids) if request_ids is not None else None
+    return _post("/abort_requests", lambda data: int(data["aborted"]), request_ids=ids)
 
 
 def derender_chat(

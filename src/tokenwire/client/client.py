@@ -13,6 +13,7 @@ import httpx
 
 from tokenwire.client import calls
 from tokenwire.client.calls import Call, Messages
+from tokenwire.client.control import AsyncControl, Control
 from tokenwire.client.errors import APIConnectionError, response_error
 from tokenwire.client.types import (
     ChatCompletion,
@@ -34,7 +35,7 @@ DEFAULT_TIMEOUT_S = 600.0  # long generations are normal in RL
 def _read(call: Call[T], response: httpx.Response) -> T:
     if response.is_error:
         raise response_error(response)
-    return call.read(response.json())
+    return call.read(response.json() if response.content else None)
 
 
 class _Connection(Generic[H]):
@@ -60,9 +61,16 @@ class _Connection(Generic[H]):
 
 
 class Client(_Connection[httpx.Client]):
-    """Blocking client; ``with Client(url) as client: client.render_chat(...)``."""
+    """Blocking client; ``with Client(url) as client: client.render_chat(...)``.
+
+    ``client.control`` holds the RL-loop routes (a server started with ``--enable-rl-control``).
+    """
 
     _http_class = httpx.Client
+
+    @property
+    def control(self) -> Control:
+        return Control(self.send)
 
     def __enter__(self) -> Client:
         return self
@@ -75,7 +83,7 @@ class Client(_Connection[httpx.Client]):
 
     def send(self, call: Call[T]) -> T:
         try:
-            response = self.http.request(call.method, call.path, json=call.body)
+            response = self.http.request(call.method, call.path, json=call.body, params=call.params)
         except httpx.TransportError as exc:
             raise APIConnectionError(str(exc)) from exc
         return _read(call, response)
@@ -144,7 +152,8 @@ class Client(_Connection[httpx.Client]):
         except httpx.TransportError as exc:
             raise APIConnectionError(str(exc)) from exc
 
-    def abort(self, request_ids: Sequence[str]) -> dict[str, Any]:
+    def abort(self, request_ids: Sequence[str] | None = None) -> int:
+        """Abort requests by id (None: all); returns how many were running."""
         return self.send(calls.abort(request_ids))
 
     def derender_chat(
@@ -169,6 +178,10 @@ class AsyncClient(_Connection[httpx.AsyncClient]):
 
     _http_class = httpx.AsyncClient
 
+    @property
+    def control(self) -> AsyncControl:
+        return AsyncControl(self.send)
+
     async def __aenter__(self) -> AsyncClient:
         return self
 
@@ -180,7 +193,9 @@ class AsyncClient(_Connection[httpx.AsyncClient]):
 
     async def send(self, call: Call[T]) -> T:
         try:
-            response = await self.http.request(call.method, call.path, json=call.body)
+            response = await self.http.request(
+                call.method, call.path, json=call.body, params=call.params
+            )
         except httpx.TransportError as exc:
             raise APIConnectionError(str(exc)) from exc
         return _read(call, response)
@@ -250,7 +265,8 @@ class AsyncClient(_Connection[httpx.AsyncClient]):
         except httpx.TransportError as exc:
             raise APIConnectionError(str(exc)) from exc
 
-    async def abort(self, request_ids: Sequence[str]) -> dict[str, Any]:
+    async def abort(self, request_ids: Sequence[str] | None = None) -> int:
+        """Abort requests by id (None: all); returns how many were running."""
         return await self.send(calls.abort(request_ids))
 
     async def derender_chat(
