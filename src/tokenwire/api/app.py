@@ -17,7 +17,17 @@ from tokenwire.api.asgi import ApiKeyMiddleware, RequestBodyMiddleware, RequestI
 from tokenwire.api.errors import UnexpectedErrorMiddleware, install_error_handlers
 from tokenwire.api.metrics import Metrics, MetricsMiddleware
 from tokenwire.api.openapi import install_openapi
-from tokenwire.api.routes import control, derender, generate, info, openai, render, sglang, tokenize
+from tokenwire.api.routes import (
+    control,
+    derender,
+    extend,
+    generate,
+    info,
+    openai,
+    render,
+    sglang,
+    tokenize,
+)
 from tokenwire.engine.hf import HFEngine
 from tokenwire.media.prompt import IMAGE_PAD
 from tokenwire.media.service import MediaService
@@ -63,6 +73,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(info.router)
     app.include_router(tokenize.router)
     app.include_router(render.router)
+    app.include_router(extend.router)
     app.include_router(generate.router)
     app.include_router(derender.router)
     app.include_router(openai.router)

@@ -86,6 +86,15 @@ def render_chat_text(
     add_special_tokens: bool,
 ) -> RenderedChat:
     """The template's text and its ids, without media (placeholders stay single tokens)."""
+    text = render_template_text(pipeline, runtime, options)
+    token_ids = runtime.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return RenderedChat(text=text, token_ids=token_ids)
+
+
+def render_template_text(
+    pipeline: Pipeline, runtime: ModelRuntime, options: ChatTemplateOptions
+) -> str:
+    """The chat template's text for ``options`` (messages, tools, flags, template kwargs)."""
     template = _template_for(pipeline, runtime, options)
     kwargs = {
         key: value
@@ -98,7 +107,7 @@ def render_chat_text(
         [tool.model_dump(exclude_unset=True) for tool in options.tools] if options.tools else None
     )
     try:
-        text = template.render(
+        return template.render(
             messages,
             tools=tools,
             add_generation_prompt=options.add_generation_prompt,
@@ -107,8 +116,6 @@ def render_chat_text(
         )
     except ChatTemplateError as exc:
         raise InvalidRequest(str(exc), "messages") from exc
-    token_ids = runtime.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return RenderedChat(text=text, token_ids=token_ids)
 
 
 def _template_for(
