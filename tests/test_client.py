@@ -21,7 +21,7 @@ from tokenwire.client import (
 )
 
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
-SAMPLING = {"max_tokens": 6, "temperature": 1.0, "seed": 7, "logprobs": 1}
+SAMPLING = {"max_tokens": 6, "temperature": 1.0, "seed": 7, "logprobs": True}
 
 
 @pytest.fixture(scope="module")
