@@ -107,6 +107,8 @@ def qwen3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         str(4 * 2**20),
         "--max-model-len",
         "4096",
+        "--request-read-timeout-s",
+        "3",
     ]
     yield from _start(tmp_path_factory, "qwen3", args, api_key=API_KEY)
 

@@ -37,6 +37,8 @@ class Settings:
     request_template_max_chars: int = 4 * 2**20
     request_template_memory_bytes: int = 2**30
     max_request_bytes: int = 64 * 2**20
+    request_read_timeout_s: float = 60.0
+    shutdown_timeout_s: float = 30.0
     log_level: str = "info"
     max_num_seqs: int = 64
     max_n: int = 16
@@ -159,6 +161,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--max-request-bytes", type=int, default=env_or("max_request_bytes", d.max_request_bytes))
     add(
+        "--request-read-timeout-s",
+        type=float,
+        default=env_or("request_read_timeout_s", d.request_read_timeout_s),
+        help="a request body must arrive within this many seconds (else 408)",
+    )
+    add(
+        "--shutdown-timeout",
+        dest="shutdown_timeout_s",
+        type=float,
+        default=env_or("shutdown_timeout", d.shutdown_timeout_s),
+        help="on SIGTERM, seconds running requests get to finish before they are aborted",
+    )
+    add(
         "--log-level",
         default=env_or("log_level", d.log_level),
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -233,7 +248,12 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     ):
         if values.get(name) is not None:
             values[name] = int(values[name])
-    for name in ("media_timeout_s", "request_template_timeout_s"):
+    for name in (
+        "media_timeout_s",
+        "request_template_timeout_s",
+        "request_read_timeout_s",
+        "shutdown_timeout_s",
+    ):
         values[name] = float(values[name])
     for name in ("chat_template", "allowed_local_media_path"):
         if values.get(name) is not None:

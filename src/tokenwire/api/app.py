@@ -13,11 +13,21 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from tokenwire import __version__
-from tokenwire.api.asgi import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
-from tokenwire.api.errors import install_error_handlers
+from tokenwire.api.asgi import ApiKeyMiddleware, RequestBodyMiddleware, RequestIdMiddleware
+from tokenwire.api.errors import UnexpectedErrorMiddleware, install_error_handlers
 from tokenwire.api.metrics import Metrics, MetricsMiddleware
 from tokenwire.api.openapi import install_openapi
-from tokenwire.api.routes import control, derender, generate, info, openai, render, sglang, tokenize
+from tokenwire.api.routes import (
+    control,
+    derender,
+    extend,
+    generate,
+    info,
+    openai,
+    render,
+    sglang,
+    tokenize,
+)
 from tokenwire.engine.hf import HFEngine
 from tokenwire.media.prompt import IMAGE_PAD
 from tokenwire.media.service import MediaService
@@ -69,14 +79,21 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(info.router)
     app.include_router(tokenize.router)
     app.include_router(render.router)
+    app.include_router(extend.router)
     app.include_router(generate.router)
     app.include_router(derender.router)
     app.include_router(openai.router)
     app.include_router(sglang.router)
     if settings.enable_rl_control:
         app.include_router(control.router)
-    # Outermost last: ids on every response, then metrics, auth, and the body limit.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    # Outermost last: ids on every response, then metrics, auth, the body checks, and bugs
+    # answered as JSON 500s.
+    app.add_middleware(UnexpectedErrorMiddleware)
+    app.add_middleware(
+        RequestBodyMiddleware,
+        max_bytes=settings.max_request_bytes,
+        read_timeout_s=settings.request_read_timeout_s,
+    )
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(MetricsMiddleware, metrics=metrics)

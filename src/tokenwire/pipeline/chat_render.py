@@ -86,7 +86,18 @@ async def render_chat_text(
     options: ChatTemplateOptions,
     add_special_tokens: bool,
 ) -> RenderedChat:
-    """The template's text and its ids, without media (placeholders stay single tokens).
+    """The template's text and its ids, without media (placeholders stay single tokens)."""
+    text = await render_template_text(pipeline, runtime, options)
+    token_ids = await run_text_work(
+        len(text), lambda: runtime.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    )
+    return RenderedChat(text=text, token_ids=token_ids)
+
+
+async def render_template_text(
+    pipeline: Pipeline, runtime: ModelRuntime, options: ChatTemplateOptions
+) -> str:
+    """The chat template's text for ``options`` (messages, tools, flags, template kwargs).
 
     The server's template renders in-process (in a thread when the messages are large); a
     request's template in the template worker processes, under their time, memory and output
@@ -95,13 +106,11 @@ async def render_chat_text(
     source = _request_template(pipeline, options)
     if source is None:
         size = sum(len(str(message.content or "")) for message in options.messages)
-        return await run_text_work(
-            size, lambda: _render_server_template(runtime, options, add_special_tokens)
-        )
+        return await run_text_work(size, lambda: _render_server_template(runtime, options))
     assert runtime.request_templates is not None  # built whenever request templates are trusted
     messages, tools, kwargs = _template_inputs(source, options)
     try:
-        text = await runtime.request_templates.render(
+        return await runtime.request_templates.render(
             source,
             messages,
             tools=tools,
@@ -115,15 +124,9 @@ async def render_chat_text(
         raise InvalidRequest(str(exc), "chat_template") from exc
     except ChatTemplateError as exc:
         raise InvalidRequest(str(exc), "messages") from exc
-    token_ids = await run_text_work(
-        len(text), lambda: runtime.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    )
-    return RenderedChat(text=text, token_ids=token_ids)
 
 
-def _render_server_template(
-    runtime: ModelRuntime, options: ChatTemplateOptions, add_special_tokens: bool
-) -> RenderedChat:
+def _render_server_template(runtime: ModelRuntime, options: ChatTemplateOptions) -> str:
     template = runtime.chat_template
     if template is None:
         raise InvalidRequest(
@@ -131,7 +134,7 @@ def _render_server_template(
         )
     messages, tools, kwargs = _template_inputs(template.source, options)
     try:
-        text = template.render(
+        return template.render(
             messages,
             tools=tools,
             add_generation_prompt=options.add_generation_prompt,
@@ -140,8 +143,6 @@ def _render_server_template(
         )
     except ChatTemplateError as exc:
         raise InvalidRequest(str(exc), "messages") from exc
-    token_ids = runtime.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return RenderedChat(text=text, token_ids=token_ids)
 
 
 def _request_template(pipeline: Pipeline, options: ChatTemplateOptions) -> str | None:
