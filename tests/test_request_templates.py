@@ -96,6 +96,21 @@ def test_derender_renders_the_request_template_under_the_caps(qwen3: httpx.Clien
     assert_error(qwen3.post("/v1/chat/completions/derender", json=body), 400, OUTPUT_CAP)
 
 
+def test_extend_renders_the_request_template_under_the_caps(qwen3: httpx.Client) -> None:
+    previous = [*MESSAGES, {"role": "assistant", "content": "hello"}]
+    body = {
+        "previous_token_ids": [9707],
+        "previous_messages": previous,
+        "messages": [{"role": "user", "content": "again"}],
+        "chat_template": HOSTILE["replace"][0],
+    }
+    assert_error(qwen3.post("/v1/chat/completions/extend", json=body), 400, OUTPUT_CAP)
+    # A harmless request template renders there too.
+    body["chat_template"] = ECHO + "<|im_end|>{% if add_generation_prompt %}>{% endif %}"
+    response = qwen3.post("/v1/chat/completions/extend", json=body)
+    assert response.status_code == 200, response.text
+
+
 def test_a_worker_abandoned_mid_render_is_replaced(qwen3_server: Server) -> None:
     with qwen3_server.client() as client, pytest.raises(httpx.TimeoutException):
         tokenize(client, HOSTILE["concat"][0], timeout=0.3)
