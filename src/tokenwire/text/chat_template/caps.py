@@ -39,13 +39,15 @@ def capped_filters(max_chars: int) -> dict[str, Callable[..., Any]]:
                 f"{max_chars} characters (--request-template-max-chars)"
             )
 
-    def replace(value: Any, old: Any = "", new: Any = "", *args: Any, **kwargs: Any) -> Any:
+    def replace(value: Any, *args: Any, **kwargs: Any) -> Any:
+        # replace(value, old, new[, count]); wrong arguments fail in MiniJinja's own filter.
+        old, new, *rest = [*args, "", ""]
         text, old_text, new_text = _text(value), _text(old), _text(new)
         count = text.count(old_text) if old_text else len(text) + 1
-        if args and isinstance(args[0], int) and args[0] >= 0:
-            count = min(count, args[0])
+        if rest and isinstance(rest[0], int) and rest[0] >= 0:
+            count = min(count, rest[0])
         check(len(text) + count * (len(new_text) - len(old_text)), "replace")
-        return _builtin("replace", value, old, new, *args, **kwargs)
+        return _builtin("replace", value, *args, **kwargs)
 
     def join(value: Any, *args: Any, **kwargs: Any) -> Any:
         joiner = _text(args[0] if args else next(iter(kwargs.values()), ""))
@@ -69,20 +71,14 @@ def capped_filters(max_chars: int) -> dict[str, Callable[..., Any]]:
         value: Any, width: int | str = 4, first: bool = False, blank: bool = False
     ) -> str:
         if isinstance(value, str):
-            pad = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
-            check(len(value) + max(pad, 0) * (len(value.splitlines()) + 1), "indent")
+            check(len(value) + _width(width) * (len(value.splitlines()) + 1), "indent")
         return indent(value, width, first, blank)
 
-    def capped_tojson(
-        value: Any,
-        ensure_ascii: bool = False,
-        indent: int | str | None = None,
-        separators: Any = None,
-        sort_keys: bool = False,
-    ) -> str:
-        pad = len(indent) if isinstance(indent, str) else indent if isinstance(indent, int) else 0
-        check(_json_floor(value, max(pad, 0), max_chars), "tojson")
-        text = tojson(value, ensure_ascii, indent, separators, sort_keys)
+    def capped_tojson(value: Any, *args: Any, **kwargs: Any) -> str:
+        # tojson(value, ensure_ascii, indent, separators, sort_keys)
+        indent_arg = kwargs.get("indent", args[1] if len(args) > 1 else None)
+        check(_json_floor(value, _width(indent_arg), max_chars), "tojson")
+        text = tojson(value, *args, **kwargs)
         check(len(text), "tojson")
         return text
 
@@ -93,6 +89,14 @@ def capped_filters(max_chars: int) -> dict[str, Callable[..., Any]]:
         "indent": capped_indent,
         "tojson": capped_tojson,
     }
+
+
+def _width(indent: Any) -> int:
+    """The characters one level of ``indent`` / ``tojson(indent=...)`` adds (a count or a
+    string; anything else fails in the filter itself)."""
+    if isinstance(indent, str):
+        return len(indent)
+    return max(indent, 0) if isinstance(indent, int) else 0
 
 
 def _text(value: Any) -> str:
