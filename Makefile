@@ -33,3 +33,5 @@ bench: install
 	$(PY) bench/bench_derender.py
 	$(PY) bench/bench_generate.py
 	$(PY) bench/bench_media.py
+	$(PY) bench/bench_media_limits.py
+	$(PY) bench/bench_request_templates.py
