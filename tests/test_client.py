@@ -160,5 +160,6 @@ def test_control_routes(rl_server: Server, qwen3_server: Server) -> None:
                 assert await aclient.control.weight_version() == "step-1"
 
         asyncio.run(run())
+        control.update_weight_version("default", abort_all_requests=False)  # as it was
     with Client(qwen3_server.url, api_key=API_KEY) as client, pytest.raises(NotFoundError):
         client.control.pause()
