@@ -33,6 +33,8 @@ bench: install
 	$(PY) bench/bench_derender.py
 	$(PY) bench/bench_generate.py
 	$(PY) bench/bench_media.py
+	$(PY) bench/bench_media_limits.py
+	$(PY) bench/bench_request_templates.py
 
 # Schemathesis against the servers' own OpenAPI documents, many examples with fresh randomness
 # (the suite runs a few, the same each time). FUZZ_EXAMPLES per operation and mode.
