@@ -44,6 +44,7 @@ OPERATIONS = [
     ("POST", "/detokenize"),
     ("POST", "/v1/chat/completions/render"),
     ("POST", "/v1/completions/render"),
+    ("POST", "/v1/chat/completions/extend"),
     ("POST", "/inference/v1/generate"),
     ("POST", "/abort_requests"),
     ("POST", "/inference/v1/abort_requests"),
@@ -93,6 +94,14 @@ GOOD_BODIES: dict[str, list[dict[str, Any]]] = {
     "/detokenize": [{"tokens": [9707, 1879]}],
     "/v1/chat/completions/render": [{"messages": CHAT, "max_tokens": 2, "seed": 1}],
     "/v1/completions/render": [{"prompt": ["Hello", "Bonjour"], "max_tokens": 2}],
+    "/v1/chat/completions/extend": [
+        {
+            "previous_token_ids": [1, 9690, 198, 4093, 2, 198, 1, 520, 9531, 198, 19556, 2],
+            "previous_messages": [*CHAT, {"role": "assistant", "content": "Hello!"}],
+            "messages": [{"role": "user", "content": "Tell me a joke."}],
+            "max_tokens": 2,
+        }
+    ],
     "/inference/v1/generate": [
         {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "logprobs": 2, "n": 2}},
         {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "prompt_logprobs": 1}},
@@ -144,8 +153,8 @@ def bound(path: str, body: Any, served_name: str, name_it: bool) -> None:
     for holder in (body, body.get("sampling_params")):
         if isinstance(holder, dict):
             for key, cap in CAPS.items():
-                value = number(holder.get(key))
-                if value is not None and value > cap:
+                value = holder.get(key)
+                if isinstance(value, int) and not isinstance(value, bool) and value > cap:
                     holder[key] = cap
     if path in LENGTH_FIELD:
         parent, key = LENGTH_FIELD[path]
@@ -154,64 +163,6 @@ def bound(path: str, body: Any, served_name: str, name_it: bool) -> None:
             holder[key] = CAPS[key]
     if name_it and isinstance(body.get("model"), str):
         body["model"] = served_name
-    avoid_known_bugs(body)
-
-
-def number(value: Any) -> float | None:
-    """The number a lax validator reads in ``value`` (``5.0`` and ``"5"`` pass as 5 today)."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None
-
-
-# TEMPORARY, until issue 9's fixes land (the lead is on them); delete each with its fix.
-# Item 1: sampling values that overflow float32 make NaN logits and a 500.
-SAMPLING_FLOATS = frozenset(
-    {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
-)
-FLOAT32_MAX, FLOAT32_TINY = 3.4e38, 1.2e-38
-# Item 4: render echoes these beyond 64 bits and the serializer fails (stop_token_ids too).
-ECHOED_INTS = frozenset({"seed", "top_k", "priority", "stop_token_ids"})
-INT64_MAX = 2**63 - 1
-
-
-def avoid_known_bugs(body: dict[str, Any]) -> None:
-    for holder in (body, body.get("sampling_params")):
-        if not isinstance(holder, dict):
-            continue
-        for key, value in holder.items():
-            read = number(value)
-            if key in SAMPLING_FLOATS and read and not FLOAT32_TINY < abs(read) < FLOAT32_MAX:
-                holder[key] = 1.0
-            if key in ECHOED_INTS:
-                holder[key] = within_int64(value)
-    replace_lone_surrogates(body)
-
-
-def within_int64(value: Any) -> Any:
-    if isinstance(value, list):
-        return [within_int64(item) for item in value]
-    if isinstance(value, int) and abs(value) > INT64_MAX:
-        return 0
-    return value
-
-
-def replace_lone_surrogates(value: Any) -> Any:
-    """Item 3: a lone surrogate escape (``"\\ud800"``) in a string gives a 500."""
-    if isinstance(value, str):
-        return "".join("\ufffd" if "\ud800" <= char <= "\udfff" else char for char in value)
-    if isinstance(value, list):
-        value[:] = [replace_lone_surrogates(item) for item in value]
-    elif isinstance(value, dict):
-        items = [(replace_lone_surrogates(k), replace_lone_surrogates(v)) for k, v in value.items()]
-        value.clear()
-        value.update(items)
-    return value
 
 
 def fuzz(

@@ -23,9 +23,11 @@ _ERROR_CONTENT = {"application/json": {"schema": _ERROR_REF}}
 
 # Why each error status is answered; which operations can answer it is decided in _error_statuses.
 _ERROR_DESCRIPTIONS = {
-    "400": "Invalid request: a body or query parameter that fails validation, or malformed JSON",
+    "400": "Invalid request: a body or query parameter that fails validation, malformed JSON, "
+    "or a lone UTF-16 surrogate escape in the body",
     "401": "Missing or invalid API key (only when the server has --api-key)",
     "404": "The request names a model the server does not serve",
+    "408": "The request body did not arrive within --request-read-timeout-s",
     "413": "Request body larger than --max-request-bytes",
     "422": "A media URL in the request answered with a client error (4xx), or the file is missing",
     "500": "Internal server error (a bug)",
@@ -121,11 +123,12 @@ def _error_statuses(
         statuses.append("401")
     if path not in _MODEL_FREE_PATHS:
         statuses.append("503")
-    if method == "post":
-        statuses.append("413")  # the body limit reads every POST, even those that take no body
     body = operation.get("requestBody")
-    if body is not None or operation.get("parameters"):
+    if method == "post" or operation.get("parameters"):
         statuses.append("400")
+    if method == "post":
+        # The body reader reads every POST whole, even one to a route that takes no body.
+        statuses += ["408", "413"]
     if body is not None:
         body_schema = body.get("content", {}).get("application/json", {}).get("schema", {})
         if _has_property(body_schema, "model", components):

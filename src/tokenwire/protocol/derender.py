@@ -59,9 +59,9 @@ class GenerateChoiceIn(RequestModel):
 class UsageIn(RequestModel):
     """Token counts as generate reports them; a streamed derender passes them on."""
 
-    prompt_tokens: Annotated[int, Field(ge=0, le=2**63 - 1)]
-    completion_tokens: Annotated[int, Field(ge=0, le=2**63 - 1)]
-    total_tokens: Annotated[int, Field(ge=0, le=2**63 - 1)]
+    prompt_tokens: NonNegativeInt64
+    completion_tokens: NonNegativeInt64
+    total_tokens: NonNegativeInt64
 
 
 class GenerateResponseIn(RequestModel):

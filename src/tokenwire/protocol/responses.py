@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from tokenwire.protocol.generate import GenerateRequest
+
 JsonObject = dict[str, Any]
 
 
@@ -123,6 +125,14 @@ class ChatDerenderChunk(BaseModel):
 
     chunk: ChatCompletionChunk
     stream_state: str
+
+
+class ExtendResponse(GenerateRequest):
+    """Render's GenerateRequest for the next turn, and whether it starts with the previous ids."""
+
+    extended: bool
+    reason: str | None
+    kept_tokens: int
 
 
 class SGLangMetaInfo(BaseModel):
