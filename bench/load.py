@@ -1,17 +1,18 @@
-"""Bounded load test: many clients, every kind of request, drops and aborts, and one poison.
+"""Bounded load test: many clients, every kind of request, drops and aborts, and poisons.
 
 Starts its own server (the embedded SmolLM2 on 127.0.0.1), warms it with the same mix, then for
 ``--duration`` seconds ``--clients`` clients each loop over: tokenize, render, derender,
 generate (whole and streamed; a quarter of the streams hang up at a random point), and generate
-aborted by id mid-way. Half-way through, one poison request (sampling values that overflow
-float32) is sent; it may fail, but nothing else may.
+aborted by id mid-way. Half-way through, the poison requests are sent (sampling values that
+overflow float32, and the most extreme ones the server accepts); each may fail, nothing else may.
 
-Prints statuses and latency percentiles per kind, the poison's answer, the server's RSS before
-and after and the engine slots still in use after. Exits 1 if any request but the poison got a
+Prints statuses and latency percentiles per kind, the poisons' answers, the server's RSS before
+and after and the engine slots still in use after. Exits 1 if any request but the poisons got a
 5xx or a failed stream, a request that was not aborted ended "abort", a slot is left, or RSS is
 not back within 10% of the warm start.
 
-Usage: ``python bench/load.py [--clients 128] [--duration 120] [--warmup 10]``.
+Usage: ``python bench/load.py [--clients 128] [--duration 120] [--warmup 10] [--rounds 1]``
+(with more rounds, RSS after each tells a working set that settles from a leak that grows).
 """
 
 from __future__ import annotations
@@ -33,10 +34,14 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 from serverbench import ServerProcess, cpu_seconds, free_port, tokenwire_command
 
-# The poison of issue 9 item 1: a penalty that is 0 in float32 makes inf logits, and top-k's
-# candidate draw then fails (today a 500 that failed the whole running batch). 1e308 does not
-# trip it on every prompt; 1e-45 does.
-POISON = {"repetition_penalty": 1e-45, "top_k": 5, "temperature": 1.0, "max_tokens": 8}
+# Issue 9 item 1: a penalty that is 0 in float32 made inf logits and top-k's candidate draw
+# failed, with the whole prefill group or running batch (1e308 does not trip it on every prompt;
+# 1e-45 did); now refused at validation. The second is the most extreme the server accepts
+# (penalty and temperature at their bounds, top_p the smallest double), so it reaches the engine.
+POISONS = [
+    {"repetition_penalty": 1e-45, "top_k": 5, "temperature": 1.0, "max_tokens": 8},
+    {"repetition_penalty": 1e-4, "temperature": 1e-4, "top_p": 5e-324, "top_k": 5, "max_tokens": 8},
+]
 STREAM_DROP_SHARE = 0.25
 QUESTIONS = [
     "What is the capital of France?",
@@ -67,7 +72,7 @@ class Outcome:
 @dataclass
 class Run:
     outcomes: list[Outcome] = field(default_factory=list)
-    poison: dict | None = None
+    poisons: list[str] = field(default_factory=list)
 
     def add(self, kind: str, status: int, started: float, problem: str | None = None) -> None:
         self.outcomes.append(Outcome(kind, status, time.perf_counter() - started, problem))
@@ -194,14 +199,15 @@ async def drive(url: str, clients: int, seconds: float, prompts: list, poison: b
             while time.monotonic() < deadline:
                 await client.one(random.choice(kinds))
 
-        async def send_poison() -> None:
+        async def send_poison(sampling: dict) -> None:
             await asyncio.sleep(seconds / 2)
-            body = {"token_ids": prompts[0], "sampling_params": POISON}
+            body = {"token_ids": prompts[0], "sampling_params": sampling}
             response = await http.post("/inference/v1/generate", json=body)
-            run.poison = {"status": response.status_code, "body": response.text[:300]}
+            run.poisons.append(f"{sampling}: {response.status_code} {response.text[:160]}")
 
         await asyncio.gather(
-            *(loop() for _ in range(clients)), *([send_poison()] if poison else [])
+            *(loop() for _ in range(clients)),
+            *(send_poison(sampling) for sampling in (POISONS if poison else [])),
         )
     return run
 
@@ -264,6 +270,7 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=128)
     parser.add_argument("--duration", type=float, default=120, help="seconds of load")
     parser.add_argument("--warmup", type=float, default=10, help="seconds of the same mix first")
+    parser.add_argument("--rounds", type=int, default=1, help="load rounds (RSS after each)")
     parser.add_argument("--no-poison", action="store_true")
     parser.add_argument("--log", type=Path, default=Path("/tmp/tokenwire-load-server.log"))
     args = parser.parse_args()
@@ -283,36 +290,42 @@ def main() -> int:
         ]
         asyncio.run(drive(url, args.clients, args.warmup, prompts, poison=False))
         settle(url)
-        rss_before = rss_mib(pid)
+        rss = [rss_mib(pid)]
         print(f"server pid {pid}; {args.clients} clients for {args.duration:.0f} s on {url}")
-        started, cpu_before = time.perf_counter(), cpu_seconds(pid)
-        tokens_before = engine_gauges(url)["tokens_generated"]
-        run = asyncio.run(drive(url, args.clients, args.duration, prompts, not args.no_poison))
-        elapsed = time.perf_counter() - started
-        server_cpu = cpu_seconds(pid) - cpu_before
-        tokens = engine_gauges(url)["tokens_generated"] - tokens_before
-        slots = settle(url)
-        rss_after = rss_mib(pid)
+        problems: list[str] = []
+        for round_index in range(args.rounds):
+            started, cpu_before = time.perf_counter(), cpu_seconds(pid)
+            tokens_before = engine_gauges(url)["tokens_generated"]
+            poison = not args.no_poison and round_index == 0
+            run = asyncio.run(drive(url, args.clients, args.duration, prompts, poison))
+            elapsed = time.perf_counter() - started
+            server_cpu = cpu_seconds(pid) - cpu_before
+            tokens = engine_gauges(url)["tokens_generated"] - tokens_before
+            slots = settle(url)
+            rss.append(rss_mib(pid))
+            problems += report(run, elapsed)
+            print(
+                f"server CPU {server_cpu:.0f} s in {elapsed:.0f} s; {tokens:.0f} tokens "
+                f"generated ({tokens / elapsed:.1f}/s); engine slots in use after: {slots}; "
+                f"RSS after {rss[-1]:.0f} MiB"
+            )
+            if slots:
+                problems.append(f"round {round_index + 1}: {slots} engine slots still in use")
+            for line in run.poisons:
+                print("poison", line)
         load_after = os.getloadavg()
-        problems = report(run, elapsed)
     finally:
         server.stop()
 
+    rss_after, rss_before = rss[-1], rss[0]
     print(
-        f"server CPU {server_cpu:.0f} s in {elapsed:.0f} s; {tokens:.0f} tokens generated "
-        f"({tokens / elapsed:.1f}/s)"
-    )
-    print(f"\npoison {POISON}: {run.poison}")
-    print(
-        f"RSS MiB: idle {rss_idle:.0f}, warm (before) {rss_before:.0f}, after {rss_after:.0f} "
+        f"\nRSS MiB: idle {rss_idle:.0f}, warm (before) {rss_before:.0f}, after each round "
+        f"{', '.join(f'{value:.0f}' for value in rss[1:])} "
         f"({(rss_after / rss_before - 1) * 100:+.1f}%)"
     )
-    print(f"engine slots in use after: {slots}")
     cpus = os.cpu_count()
     print(f"load average before {load_before[0]:.1f}, after {load_after[0]:.1f} ({cpus} CPUs)")
     failures = list(problems)
-    if slots:
-        failures.append(f"{slots} engine slots still in use")
     if rss_after > rss_before * 1.10:
         failures.append("RSS not back within 10% of the warm start")
     for failure in failures[:20]:
