@@ -18,7 +18,7 @@ from tokenwire.api.errors import install_error_handlers
 from tokenwire.api.metrics import Metrics, MetricsMiddleware
 from tokenwire.api.openapi import install_openapi
 from tokenwire.api.routes import control, derender, generate, info, openai, render, sglang, tokenize
-from tokenwire.engine.hf import HFEngine
+from tokenwire.engine.factory import create_engine
 from tokenwire.media.prompt import IMAGE_PAD
 from tokenwire.media.service import MediaService
 from tokenwire.model_source import resolve_model_dir
@@ -94,11 +94,14 @@ async def _load_runtime(pipeline: Pipeline, settings: Settings, metrics: Metrics
             on_cache_hit=metrics.media_cache_hits.labels("image").inc,
             on_cache_miss=metrics.media_cache_misses.labels("image").inc,
         )
-        engine = HFEngine(
+        engine = create_engine(
+            settings.engine,
             model_dir,
             max_model_len=settings.max_model_len,
             max_num_seqs=settings.max_num_seqs,
             device=settings.device,
+            dtype=settings.dtype,
+            extra_args=settings.engine_args,
         )
         await engine.start()
     except asyncio.CancelledError:
