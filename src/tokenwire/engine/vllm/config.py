@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenwire.engine.base import EngineError, SamplingParams
+from tokenwire.engine.vllm.worker import WORKER_EXTENSION
 
 
 def engine_args(
@@ -39,6 +40,7 @@ def engine_args(
         args.dtype = dtype
     # tokenwire renders and decodes: vLLM sees token ids only.
     args.skip_tokenizer_init = True
+    args.worker_extension_cls = WORKER_EXTENSION
     args.disable_log_stats = True
     return args
 

@@ -4,7 +4,7 @@ vLLM runs its engine core in its own processes and streams ``RequestOutput`` del
 collector per request on this event loop; this class only translates (``config`` for requests,
 ``outputs`` for results) and maps the RL-control calls onto AsyncLLM's own: pause/resume with
 vLLM's three modes, weight versions stamped on every engine step, and in-place reloads through
-``collective_rpc("reload_weights")``.
+``collective_rpc`` (vLLM's ``reload_weights`` inside ``worker``'s extension).
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ class VLLMEngine:
             raise WeightsError("the served model was not loaded from safetensors")
         check_fits(self._layout, new)
         await self._llm.collective_rpc(
-            "reload_weights", kwargs={"weights_path": str(weight_dir), "is_checkpoint_format": True}
+            "tokenwire_reload_weights", kwargs={"weights_path": str(weight_dir)}
         )
         await self.set_weight_version(version)
         if not await self._llm.reset_prefix_cache():
