@@ -51,6 +51,11 @@ class Router:
             *(s.url for s in servers),
             "--log-level",
             "warning",
+            "--prometheus-port",
+            str(free_port()),
+            # Sent to the workers as their bearer key (client Authorization is not forwarded).
+            "--api-key",
+            API_KEY,
         ]
         self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.log_path = log_path
@@ -95,7 +100,7 @@ def hash_router(fleet: list[Server], tmp_path_factory: pytest.TempPathFactory) -
 
 def one_turn(client: httpx.Client) -> str:
     """render -> generate -> derender through the router; returns the content."""
-    render = client.post("/v1/chat/completions/render", json={"messages": PARIS, "max_tokens": 12})
+    render = client.post("/v1/chat/completions/render", json={"messages": PARIS, "max_tokens": 8})
     assert render.status_code == 200, render.text
     generate_request = render.json()
     generate_request["sampling_params"]["temperature"] = 0
@@ -108,32 +113,51 @@ def one_turn(client: httpx.Client) -> str:
     return derendered.json()["choices"][0]["message"]["content"]
 
 
+def placement(router: Router, fleet: list[Server], session: str, route: str, turn) -> int:
+    """Which server of ``fleet`` answered every one of a session's turns on ``route``."""
+    before = [route_count(s, route) for s in fleet]
+    with router.client(session) as client:
+        turns = turn(client)
+    served = [route_count(s, route) - b for s, b in zip(fleet, before, strict=True)]
+    assert sorted(served) == [0, turns], (session, served)  # all on one server
+    return served.index(turns)
+
+
+def tokenize_twice(client: httpx.Client) -> int:
+    for _ in range(2):
+        assert client.post("/tokenize", json={"prompt": "Hello"}).status_code == 200
+    return 2
+
+
+def two_turns(client: httpx.Client) -> int:
+    for _ in range(2):
+        assert "Paris" in one_turn(client)
+    return 2
+
+
 def test_a_session_stays_on_one_server(hash_router: Router, fleet: list[Server]) -> None:
-    placements: dict[str, int] = {}
-    for session in (f"session-{i}" for i in range(6)):
-        before = [route_count(s, "/inference/v1/generate") for s in fleet]
-        with hash_router.client(session) as client:
-            for _ in range(3):
-                assert "Paris" in one_turn(client)
-        after = [route_count(s, "/inference/v1/generate") for s in fleet]
-        served = [a - b for a, b in zip(after, before, strict=True)]
-        assert sorted(served) == [0, 3], (session, served)  # all three turns on one server
-        placements[session] = served.index(3)
-    # The same session goes to the same server again; six sessions use both servers.
-    with hash_router.client("session-0") as client:
-        before = route_count(fleet[placements["session-0"]], "/inference/v1/generate")
-        one_turn(client)
-        assert route_count(fleet[placements["session-0"]], "/inference/v1/generate") == before + 1
-    assert set(placements.values()) == {0, 1}
+    # Sixteen sessions (cheap requests): each sticks to one server, and both servers get some.
+    where = {
+        f"s{i}": placement(hash_router, fleet, f"s{i}", "/tokenize", tokenize_twice)
+        for i in range(16)
+    }
+    assert set(where.values()) == {0, 1}
+    # render -> generate -> derender through the router, on the session's server.
+    for session in ("s0", "s1"):
+        assert (
+            placement(hash_router, fleet, session, "/inference/v1/generate", two_turns)
+            == (where[session])
+        )
 
 
 def test_power_of_two_balances_on_reported_load(
     fleet: list[Server], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    polled = sum(route_count(s, "/get_load") for s in fleet)
     router = Router(fleet, "power_of_two", tmp_path_factory.mktemp("p2") / "router.log")
     try:
         with router.client("any") as client:
-            for _ in range(4):
-                assert "Paris" in one_turn(client)
+            two_turns(client)
     finally:
         router.stop()
+    assert sum(route_count(s, "/get_load") for s in fleet) > polled
