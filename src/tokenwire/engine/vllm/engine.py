@@ -113,7 +113,7 @@ class VLLMEngine:
             prompt, sampling, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
         if media is not None:
-            raise EngineError("this model takes no image input")
+            raise EngineError("--engine vllm takes no image input yet (see docs/api.md)")
         if request_id in self._live:
             raise EngineError(f"request id {request_id!r} is already running")
         params = sampling_params(sampling, self._logprobs_mode)
