@@ -13,6 +13,7 @@ process itself, from /proc; vLLM's engine core is a separate process in both vLL
 small /tokenize, a chat render, an 8k-id derender with top-5 logprobs and short generates
 (max_tokens 8) at 32 concurrent; decode tok/s at 1 and 32 concurrent requests; and derender
 exactness on text whose characters split across byte-level tokens (U+FFFD pieces).
+``--parity``: the hf and vllm engines in process, greedy ids and logprobs against a forward.
 
 Usage: ``make bench-vllm`` (or ``VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1
 .venv-vllm/bin/python bench/bench_vs_vllm.py [--quick]``).
@@ -219,12 +220,73 @@ def report(results: dict[str, dict[str, Any]]) -> None:
     print("| derender exactness | " + " | ".join(cells) + " | |")
 
 
+def parity(model_dir: Path, prompts: int = 8, tokens: int = 32) -> None:
+    """In process: greedy ids of the hf and vllm engines, and each one's logprobs (chosen and
+    top 5) against one transformers forward over prompt + output (trainer parity)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tokenwire.engine.base import SamplingParams
+    from tokenwire.engine.factory import create_engine
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    topics = ["rain", "chess", "volcanoes", "tea", "jazz", "rivers", "owls", "glass"]
+    chats = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Tell me about {topics[i % 8]}."}],
+            add_generation_prompt=True,
+            return_dict=True,
+        )["input_ids"]
+        for i in range(prompts)
+    ]
+    sampling = SamplingParams(max_tokens=tokens, temperature=0, logprobs=5, ignore_eos=True)
+
+    async def run(kind: str) -> list[tuple[list[int], list[Any]]]:
+        extra = ["--enforce-eager"] if kind == "vllm" else []
+        engine = create_engine(
+            kind, model_dir, max_model_len=None, max_num_seqs=16, dtype="float32", extra_args=extra
+        )
+        await engine.start()
+
+        async def one(i: int, prompt: list[int]) -> tuple[list[int], list[Any]]:
+            ids, lps = [], []
+            async for out in engine.generate(f"p{i}", list(prompt), sampling):
+                ids += out.new_token_ids
+                lps += out.logprobs or []
+            return ids, lps
+
+        try:
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(chats))))
+        finally:
+            await engine.shutdown()
+
+    outputs = {kind: asyncio.run(run(kind)) for kind in ("hf", "vllm")}
+    for kind, results in outputs.items():
+        worst_chosen = worst_top = 0.0
+        for prompt, (ids, lps) in zip(chats, results, strict=True):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([list(prompt) + ids[:-1]])).logits[0]
+            ref = torch.log_softmax(logits.float(), dim=-1)[len(prompt) - 1 :]
+            for row, tl in zip(ref, lps, strict=True):
+                worst_chosen = max(worst_chosen, abs(tl.logprob - float(row[tl.token_id])))
+                for tid, lp in tl.top:
+                    worst_top = max(worst_top, abs(lp - float(row[tid])))
+        print(f"{kind}: max |logprob - forward| chosen {worst_chosen:.1e}, top-5 {worst_top:.1e}")
+    same = [a[0] == b[0] for a, b in zip(outputs["hf"], outputs["vllm"], strict=True)]
+    print(f"greedy ids equal hf vs vllm: {sum(same)}/{len(same)} prompts x {tokens} tokens")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests and tokens")
     parser.add_argument("--only", nargs="+", help="a subset of: vllm tw-vllm tw-hf")
+    parser.add_argument("--parity", action="store_true", help="only the engines' parity check")
     args = parser.parse_args()
     model_dir = prepare(MODEL)
+    if args.parity:
+        parity(model_dir)
+        return
     port = free_port()
     commands = server_commands(model_dir, port)
     results = {
