@@ -196,7 +196,8 @@ def measure(name: str, command: list[str], port: int, quick: bool) -> dict[str, 
         result["tok/s @32"] = decode_rate(server.url, prompt, 32, tokens)
     finally:
         server.stop()
-    print(f"{name}: done", file=sys.stderr, flush=True)
+    plain = {k: (v.__dict__ if isinstance(v, LoadResult) else v) for k, v in result.items()}
+    print(f"{name}: {plain}", file=sys.stderr, flush=True)  # kept if a later server fails
     return result
 
 
