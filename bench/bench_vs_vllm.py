@@ -148,7 +148,9 @@ def decode_rate(url: str, prompt: list[int], concurrency: int, tokens: int) -> f
     return asyncio.run(main())
 
 
-def measure(name: str, command: list[str], port: int, quick: bool) -> dict[str, Any]:
+def measure(
+    name: str, command: list[str], port: int, quick: bool, decode_only: bool = False
+) -> dict[str, Any]:
     started = time.perf_counter()
     server = ServerProcess(command, port)
     result: dict[str, Any] = {"start_s": time.perf_counter() - started}
@@ -157,8 +159,9 @@ def measure(name: str, command: list[str], port: int, quick: bool) -> dict[str, 
     try:
         with httpx.Client(base_url=server.url, timeout=600) as client:
             prompt = post(client, "/tokenize", {"model": MODEL, "messages": CHAT})["tokens"]
-            derender = orjson.dumps(derender_body(client, prompt)[0])
-            result["fffd"], result["joins"] = exactness(client, prompt)
+            if not decode_only:
+                derender = orjson.dumps(derender_body(client, prompt)[0])
+                result["fffd"], result["joins"] = exactness(client, prompt)
         loads: dict[str, tuple[str, Callable[[int], bytes], int, int]] = {
             "tokenize": (
                 "/tokenize",
@@ -188,6 +191,8 @@ def measure(name: str, command: list[str], port: int, quick: bool) -> dict[str, 
             ),
         }
         for label, (path, body, clients, requests) in loads.items():
+            if decode_only:
+                break
             result[label] = run_load(
                 server.url, pid, path, body, clients=clients, requests=requests
             )
@@ -283,6 +288,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer requests and tokens")
     parser.add_argument("--only", nargs="+", help="a subset of: vllm tw-vllm tw-hf")
     parser.add_argument("--parity", action="store_true", help="only the engines' parity check")
+    parser.add_argument("--decode-only", action="store_true", help="start time and tok/s only")
     args = parser.parse_args()
     model_dir = prepare(MODEL)
     if args.parity:
@@ -291,18 +297,12 @@ def main() -> None:
     port = free_port()
     commands = server_commands(model_dir, port)
     results = {
-        name: measure(name, command, port, args.quick)
+        name: measure(name, command, port, args.quick, args.decode_only)
         for name, command in commands.items()
         if not args.only or name in args.only
     }
-    if {"vllm", "tw-vllm"} <= set(results):
+    if {"vllm", "tw-vllm"} <= set(results) and not args.decode_only:
         report(results)
-    else:
-        for name, result in results.items():
-            print(
-                name,
-                {k: (v.__dict__ if isinstance(v, LoadResult) else v) for k, v in result.items()},
-            )
 
 
 if __name__ == "__main__":
