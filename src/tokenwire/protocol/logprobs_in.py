@@ -26,6 +26,7 @@ _PLACEHOLDER = re.compile(r"token_id:(-?\d+)")
 _ABSENT = object()
 _NO_TOP: tuple[()] = ()
 _ROW_TYPES = frozenset({list, tuple})  # a tuple only as the default for an absent field
+_ID_TYPES = frozenset({int})  # not bool
 _NUMBER_TYPES = frozenset({int, float})
 _get = dict.get  # unbound: a TypeError for anything that is not a JSON object
 
@@ -115,7 +116,7 @@ def _ids(entries: list[Any]) -> list[int] | None:
             _entry_id(entry, "") if token_id is _ABSENT else token_id
             for entry, token_id in zip(entries, ids, strict=True)
         ]
-    if not set(map(type, ids)) <= {int} or (ids and min(ids) < 0):
+    if not set(map(type, ids)) <= _ID_TYPES or (ids and min(ids) < 0):
         return None
     return ids
 
