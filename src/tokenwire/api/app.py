@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator
 
@@ -30,6 +31,8 @@ from tokenwire.text.token_text import TokenTextDecoder
 from tokenwire.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenwire")
+# Collection thresholds once the model is loaded (Python's default: 700, 10, 10).
+GC_THRESHOLDS = (50_000, 20, 20)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -105,7 +108,7 @@ async def _load_runtime(pipeline: Pipeline, settings: Settings, metrics: Metrics
         logger.exception("model failed to load")
         return
     metrics.watch_engine(engine.stats)
-    pipeline.runtime = ModelRuntime(
+    runtime = ModelRuntime(
         tokenizer=tokenizer,
         chat_template=chat_template,
         engine=engine,
@@ -115,12 +118,28 @@ async def _load_runtime(pipeline: Pipeline, settings: Settings, metrics: Metrics
         media=media,
         decoder=TokenTextDecoder(tokenizer, table),
     )
+    _settle_heap()
+    pipeline.runtime = runtime
     logger.info(
         "model %s ready from %s (max_model_len=%d)",
         pipeline.config.served_name,
         model_dir,
         engine.max_model_len,
     )
+
+
+def _settle_heap() -> None:
+    """Take the start-up heap (torch, transformers, the model, token tables: millions of
+    objects) out of the collector's reach, and collect the young generation less often.
+
+    Without it every full collection walks everything the load left behind: ``orjson.loads`` of
+    a 2 MB derender body took 150 ms instead of 11 ms. Requests allocate in bursts whose objects
+    die with the request, so a larger first threshold lets most of them go by reference count
+    before a collection ever sees them.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def _load_chat_template(settings: Settings, model_dir, tokenizer: Tokenizer) -> ChatTemplate | None:
