@@ -7,7 +7,9 @@
 Floor, in this process with transformers loaded, start-up heap frozen and the collector off:
 ``orjson.loads`` of the request, ``tokenizer.decode`` of the ids, ``orjson.loads`` +
 ``orjson.dumps`` of the server's own response. Targets (DESIGN.md): round trip at most 1.2x /
-1.5x / 2x the floor for none / top 0 / top 5. Streaming: the same ids through the streaming chat
+1.5x / 2x the floor for none / top 0 / top 5. The CPU ratio (the server's CPU per request from
+/proc against the floor's CPU) is shown too: other jobs on a shared machine move it less than
+wall time. Streaming: the same ids through the streaming chat
 derender in 64-token chunks (the client carries ``stream_state``), server CPU against the
 one-shot chat derender; target at most 2x.
 
@@ -25,6 +27,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +42,8 @@ from tokenwire.assets import prepare
 from tokenwire.engine.base import TokenLogprob
 from tokenwire.pipeline.logprobs import token_logprobs_json
 
-MODES = {"none": None, "top 0": 0, "top 5": 5}
+# Logprobs asked of generate, and requests per repeat (/proc counts CPU in 10 ms ticks).
+MODES = {"none": (None, 20), "top 0": (0, 2), "top 5": (5, 1)}
 TARGETS = {"none": 1.2, "top 0": 1.5, "top 5": 2.0}
 CHUNK = 64
 COMPLETION = "/v1/completions/derender"
@@ -93,23 +97,52 @@ class Client:
         return data, wall
 
 
-def timed(run: Callable[[], Any]) -> float:
-    started = time.perf_counter()
+def timed(run: Callable[[], Any]) -> tuple[float, float]:
+    """(wall, CPU) seconds of ``run()``."""
+    wall, cpu = time.perf_counter(), time.process_time()
     run()
-    return time.perf_counter() - started
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def floor_seconds(request: bytes, ids: list[int], response: bytes, decode: Callable) -> float:
-    """The JSON floor of one derender, collector off (the strictest floor)."""
+def floor_seconds(
+    request: bytes, ids: list[int], response: bytes, decode: Callable
+) -> tuple[float, float]:
+    """(wall, CPU) of the JSON floor of one derender, collector off (the strictest floor)."""
     gc.disable()
     try:
-        return (
-            timed(lambda: orjson.loads(request))
-            + timed(lambda: decode(ids))
-            + timed(lambda: orjson.dumps(orjson.loads(response)))
+        parts = (
+            timed(lambda: orjson.loads(request)),
+            timed(lambda: decode(ids)),
+            timed(lambda: orjson.dumps(orjson.loads(response))),
         )
     finally:
         gc.enable()
+    return sum(part[0] for part in parts), sum(part[1] for part in parts)
+
+
+@dataclass
+class Samples:
+    """Per repeat: round trip, server CPU per request, and the floor's wall and CPU."""
+
+    round_trip: list[float] = field(default_factory=list)
+    server_cpu: list[float] = field(default_factory=list)
+    floor: list[float] = field(default_factory=list)
+    floor_cpu: list[float] = field(default_factory=list)
+    response_bytes: int = 0
+
+
+def measure(
+    client: Client, pid: int, path: str, body: bytes, ids: list[int], decode: Callable, batch: int
+) -> tuple[float, float, float, float, int]:
+    """One repeat: ``batch`` requests (/proc counts CPU in 10 ms ticks), then the floor."""
+    cpu = cpu_seconds(pid)
+    walls = []
+    for _ in range(batch):
+        response, wall = client.post(path, body)
+        walls.append(wall)
+    server_cpu = (cpu_seconds(pid) - cpu) / batch
+    floor_wall, floor_cpu = floor_seconds(body, ids, response, decode)
+    return statistics.median(walls), server_cpu, floor_wall, floor_cpu, len(response)
 
 
 def stream_bodies(
@@ -163,36 +196,36 @@ def main() -> None:
     pid = server.process.pid
     client = Client(server.url)
     load = os.getloadavg()
-    rows = []
+    rows: dict[tuple[str, str], Samples] = {}
+    sizes: dict[str, int] = {}
     stream_rows = []
     try:
-        for mode, num_top in MODES.items():
+        for mode, (num_top, batch) in MODES.items():
             logprobs = None if num_top is None else generate_logprobs(ids, len(tokenizer), num_top)
             response = {"request_id": "b", "choices": [choice(ids, logprobs, "length")]}
-            completion = orjson.dumps({"generate_responses": [response]})
-            chat = orjson.dumps({"generate_response": response})
-            client.post(COMPLETION, completion)  # warm-up: heads, caches, connection
-            client.post(CHAT, chat)
-            walls, cpus, floors, chat_walls, chat_floors = [], [], [], [], []
+            bodies = {
+                COMPLETION: orjson.dumps({"generate_responses": [response]}),
+                CHAT: orjson.dumps({"generate_response": response}),
+            }
+            sizes[mode] = len(bodies[CHAT])
+            for path, body in bodies.items():
+                client.post(path, body)  # warm-up: JSON heads, caches
             for _ in range(args.repeat):
-                cpu = cpu_seconds(pid)
-                response, wall = client.post(COMPLETION, completion)
-                cpus.append(cpu_seconds(pid) - cpu)
-                walls.append(wall)
-                floors.append(floor_seconds(completion, ids, response, tokenizer.decode))
-                response, wall = client.post(CHAT, chat)
-                chat_walls.append(wall)
-                chat_floors.append(floor_seconds(chat, ids, response, tokenizer.decode))
-            rows.append(
-                (mode, len(completion), len(response), walls, cpus, floors, chat_walls, chat_floors)
-            )
+                for path, body in bodies.items():
+                    samples = rows.setdefault((path, mode), Samples())
+                    result = measure(client, pid, path, body, ids, tokenizer.decode, batch)
+                    samples.round_trip.append(result[0])
+                    samples.server_cpu.append(result[1])
+                    samples.floor.append(result[2])
+                    samples.floor_cpu.append(result[3])
+                    samples.response_bytes = result[4]
 
             chunks = stream_bodies(ids, logprobs)
             one_cpu, stream_cpu, stream_wall = [], [], []
             for _ in range(args.stream_repeat):
                 cpu = cpu_seconds(pid)
                 for _ in range(4):
-                    client.post(CHAT, chat)
+                    client.post(CHAT, bodies[CHAT])
                 one_cpu.append((cpu_seconds(pid) - cpu) / 4)
                 cpu = cpu_seconds(pid)
                 stream_wall.append(sum(run_stream(client, chunks)))
@@ -207,17 +240,17 @@ def main() -> None:
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n"
     )
     print(
-        "| logprobs | request MB | completions round trip ms | server CPU ms | floor ms | "
-        "ratio | chat round trip ms | chat floor ms | chat ratio | target |"
+        "| endpoint | logprobs | request / response MB | round trip ms | floor ms | ratio | "
+        "server CPU ms | floor CPU ms | CPU ratio | target |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for mode, size, _, walls, cpus, floors, chat_walls, chat_floors in rows:
-        ratio = med(walls) / med(floors)
-        chat_ratio = med(chat_walls) / med(chat_floors)
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for (path, mode), samples in rows.items():
+        trip, floor = med(samples.round_trip), med(samples.floor)
+        cpu, floor_cpu = med(samples.server_cpu), med(samples.floor_cpu)
         print(
-            f"| {mode} | {size / 1e6:.1f} | {med(walls) * 1e3:.0f} | {med(cpus) * 1e3:.0f} | "
-            f"{med(floors) * 1e3:.0f} | {ratio:.2f}x | {med(chat_walls) * 1e3:.0f} | "
-            f"{med(chat_floors) * 1e3:.0f} | {chat_ratio:.2f}x | <= {TARGETS[mode]}x |"
+            f"| {path} | {mode} | {sizes[mode] / 1e6:.1f} / {samples.response_bytes / 1e6:.1f} | "
+            f"{trip * 1e3:.1f} | {floor * 1e3:.1f} | {trip / floor:.2f}x | {cpu * 1e3:.1f} | "
+            f"{floor_cpu * 1e3:.1f} | {cpu / floor_cpu:.2f}x | <= {TARGETS[mode]}x |"
         )
     print(
         f"\nStreaming chat derender, {CHUNK}-token chunks, median of {args.stream_repeat} "

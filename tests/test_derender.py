@@ -404,7 +404,7 @@ def test_bad_logprob_entry_on_completion_derender(qwen3: httpx.Client) -> None:
     response = generate_response([1], "length", {"content": [{"token_id": 1}]})
     body = {"generate_responses": [response]}
     error = assert_error(qwen3.post("/v1/completions/derender", json=body), 400, "choice 0")
-    assert "logprobs.content.0.logprob: must be a number" in error["message"]
+    assert "logprobs.content.0.logprob: missing" in error["message"]
     assert error["param"] == "logprobs"
 
 

@@ -14,6 +14,7 @@ import itertools
 import re
 from collections.abc import Sequence
 from itertools import repeat
+from operator import itemgetter
 from typing import Annotated, Any
 
 from pydantic import WithJsonSchema
@@ -28,7 +29,11 @@ _NO_TOP: tuple[()] = ()
 _ROW_TYPES = frozenset({list, tuple})  # a tuple only as the default for an absent field
 _ID_TYPES = frozenset({int})  # not bool
 _NUMBER_TYPES = frozenset({int, float})
-_get = dict.get  # unbound: a TypeError for anything that is not a JSON object
+# Field readers: a KeyError where the field is absent, a TypeError for what is not an object.
+_TOKEN_ID = itemgetter("token_id")
+_LOGPROB = itemgetter("logprob")
+_TOP_LOGPROBS = itemgetter("top_logprobs")
+_get = dict.get
 
 # What the OpenAPI document shows for one entry; ``logprob_input`` checks the same shape.
 _TOKEN_SCHEMA: dict[str, Any] = {
@@ -61,7 +66,7 @@ def logprob_input(content: list[Any]) -> LogprobInput:
     """The entries as columns; ``ValueError`` naming the first bad entry (client input)."""
     try:
         columns = _columns(content)
-    except (TypeError, ValueError, OverflowError):
+    except (KeyError, TypeError, ValueError, OverflowError):
         columns = None
     if columns is None:
         _explain(content)
@@ -72,8 +77,8 @@ def logprob_input(content: list[Any]) -> LogprobInput:
 def _columns(content: list[Any]) -> LogprobInput | None:
     """Every field of every entry in a few C-level sweeps; None when something is off."""
     token_ids = _ids(content)
-    logprobs = _numbers(list(map(_get, content, repeat("logprob"), repeat(_ABSENT))))
-    tops = list(map(_get, content, repeat("top_logprobs"), repeat(_NO_TOP)))
+    logprobs = _numbers(list(map(_LOGPROB, content)))
+    tops = _field(content, "top_logprobs", _TOP_LOGPROBS, _NO_TOP)
     if token_ids is None or logprobs is None or not set(map(type, tops)) <= _ROW_TYPES:
         return None
     widths = set(map(len, tops))
@@ -81,7 +86,7 @@ def _columns(content: list[Any]) -> LogprobInput | None:
         return None
     alternatives = list(itertools.chain.from_iterable(tops))
     alt_ids = _ids(alternatives)
-    alt_logprobs = _numbers(list(map(_get, alternatives, repeat("logprob"), repeat(_ABSENT))))
+    alt_logprobs = _numbers(list(map(_LOGPROB, alternatives)))
     if alt_ids is None or alt_logprobs is None:
         return None
     if len(widths) > 1:  # rows of different widths (rare): slice them one by one
@@ -102,6 +107,14 @@ def _columns(content: list[Any]) -> LogprobInput | None:
     )
 
 
+def _field(entries: list[Any], key: str, getter: itemgetter, default: Any) -> list[Any]:
+    """``key`` of every entry, ``default`` where it is absent (the fast sweep first)."""
+    try:
+        return list(map(getter, entries))
+    except KeyError:
+        return list(map(_get, entries, repeat(key), repeat(default)))
+
+
 def _rows(flat: list[Any], width: int, count: int) -> list[Sequence[Any]]:
     """Row-major ``flat`` cut into ``count`` rows of ``width`` (tuples, made in C)."""
     if width == 0:
@@ -110,12 +123,10 @@ def _rows(flat: list[Any], width: int, count: int) -> list[Sequence[Any]]:
 
 
 def _ids(entries: list[Any]) -> list[int] | None:
-    ids = list(map(_get, entries, repeat("token_id"), repeat(_ABSENT)))
-    if _ABSENT in ids:  # placeholders only
-        ids = [
-            _entry_id(entry, "") if token_id is _ABSENT else token_id
-            for entry, token_id in zip(entries, ids, strict=True)
-        ]
+    try:
+        ids = list(map(_TOKEN_ID, entries))
+    except KeyError:  # some entries carry only the "token_id:N" placeholder
+        ids = [_entry_id(entry, "") for entry in entries]
     if not set(map(type, ids)) <= _ID_TYPES or (ids and min(ids) < 0):
         return None
     return ids
@@ -150,6 +161,8 @@ def _check(entry: Any, where: str) -> None:
         raise ValueError(f"{where}: must be an object")
     _entry_id(entry, where)
     logprob = entry.get("logprob", _ABSENT)
+    if logprob is _ABSENT:
+        raise ValueError(f"{where}.logprob: missing")
     if type(logprob) not in _NUMBER_TYPES:
         raise ValueError(f"{where}.logprob: must be a number")
     try:
