@@ -4,8 +4,9 @@ collection thresholds: ``api/app.py``) against the same server with Python's def
 Both servers (qwen3-tiny) run side by side and take turns, one client sending requests one at a
 time; the number is the server's CPU per request from /proc (the client shares the machine),
 median over rounds. Requests: /tokenize of a short prompt, /v1/chat/completions/render of
-bench_render's conversation (system + 10 messages, 3 tools), /inference/v1/generate of its ids
-with ``max_tokens`` 1 (the frontend around one engine step), and /v1/completions/derender of
+bench_render's conversation (system + 10 messages, 3 tools), /inference/v1/generate of its
+first 16 ids with ``max_tokens`` 1 (the frontend around one small engine step; the engine's
+torch threads count too), and /v1/completions/derender of
 32,768 ids with top-5 logprobs (19 MB). ``--thresholds A,B,C`` adds a frozen-heap server with
 other thresholds, for tuning.
 
@@ -77,11 +78,11 @@ def requests(client: Client) -> dict[str, tuple[str, bytes, int]]:
             orjson.dumps({"messages": MESSAGES, "tools": TOOLS, "max_tokens": 1}),
             200,
         ),
-        "generate, 1 token": (
+        "generate, 16 + 1 tokens": (
             "/inference/v1/generate",
             orjson.dumps(
                 {
-                    "token_ids": rendered["token_ids"],
+                    "token_ids": rendered["token_ids"][:16],
                     "sampling_params": {"max_tokens": 1, "temperature": 0},
                 }
             ),
