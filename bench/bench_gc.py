@@ -5,8 +5,8 @@ Both servers (qwen3-tiny) run side by side and take turns, one client sending re
 time; the number is the server's CPU per request from /proc (the client shares the machine),
 median over rounds. Requests: /tokenize of a short prompt, /v1/chat/completions/render of
 bench_render's conversation (system + 10 messages, 3 tools), /inference/v1/generate of its
-first 16 ids with ``max_tokens`` 1 (the frontend around one small engine step; the engine's
-torch threads count too), and /v1/completions/derender of
+first 16 ids with ``max_tokens`` 1 (the frontend around one small engine step; torch on one
+thread), and /v1/completions/derender of
 32,768 ids with top-5 logprobs (19 MB). ``--thresholds A,B,C`` adds a frozen-heap server with
 other thresholds, for tuning.
 
@@ -115,6 +115,9 @@ def main() -> None:
     for spec in args.thresholds:
         variants[f"frozen, {spec}"] = tuple(int(part) for part in spec.split(","))
 
+    # One torch thread: idle intra-op threads spin after each engine step, and that CPU (which
+    # varies 4x between identical runs) would drown the frontend's.
+    os.environ["OMP_NUM_THREADS"] = "1"
     servers: dict[str, ServerProcess] = {}
     try:
         for name, thresholds in variants.items():
