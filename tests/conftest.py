@@ -84,7 +84,9 @@ def smollm2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]
 
 @pytest.fixture(scope="session")
 def qwen3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """Qwen3 tokenizer and template with parsers, an API key and trusted request templates."""
+    """Qwen3 tokenizer and template with parsers, an API key and trusted request templates
+    (with tighter time and memory caps than the defaults, so the tests that hit them are quick
+    and light)."""
     args = [
         "--model",
         "qwen3-tiny",
@@ -92,6 +94,10 @@ def qwen3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "qwen3-tiny",
         "qwen3-alias",
         "--trust-request-chat-template",
+        "--request-template-timeout-s",
+        "2",
+        "--request-template-memory-bytes",
+        str(256 * 2**20),
         "--reasoning-parser",
         "qwen3",
         "--tool-call-parser",
@@ -101,8 +107,16 @@ def qwen3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         str(4 * 2**20),
         "--max-model-len",
         "4096",
+        "--request-read-timeout-s",
+        "3",
     ]
     yield from _start(tmp_path_factory, "qwen3", args, api_key=API_KEY)
+
+
+@pytest.fixture(scope="session")
+def rl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """SmolLM2 with the RL control routes, for tests that pause it and swap its weights."""
+    yield from _start(tmp_path_factory, "rl", ["--enable-rl-control"], api_key=API_KEY)
 
 
 @pytest.fixture(scope="session")

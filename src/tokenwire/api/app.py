@@ -14,18 +14,32 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from tokenwire import __version__
-from tokenwire.api.asgi import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
-from tokenwire.api.errors import install_error_handlers
+from tokenwire.api.asgi import ApiKeyMiddleware, RequestBodyMiddleware, RequestIdMiddleware
+from tokenwire.api.errors import UnexpectedErrorMiddleware, install_error_handlers
 from tokenwire.api.metrics import Metrics, MetricsMiddleware
 from tokenwire.api.openapi import install_openapi
-from tokenwire.api.routes import derender, generate, info, openai, render, tokenize
+from tokenwire.api.routes import (
+    control,
+    derender,
+    extend,
+    generate,
+    info,
+    openai,
+    render,
+    sglang,
+    tokenize,
+)
 from tokenwire.engine.hf import HFEngine
 from tokenwire.media.prompt import IMAGE_PAD
 from tokenwire.media.service import MediaService
 from tokenwire.model_source import resolve_model_dir
 from tokenwire.pipeline.context import ModelRuntime, Pipeline, ServingConfig
 from tokenwire.settings import Settings
-from tokenwire.text.chat_template import ChatTemplate, load_model_chat_template
+from tokenwire.text.chat_template import (
+    ChatTemplate,
+    RequestTemplateWorkers,
+    load_model_chat_template,
+)
 from tokenwire.text.token_table import token_table
 from tokenwire.text.token_text import TokenTextDecoder
 from tokenwire.text.tokenizer import Tokenizer
@@ -53,6 +67,8 @@ def create_app(settings: Settings) -> FastAPI:
             if pipeline.runtime is not None:
                 await pipeline.runtime.engine.shutdown()
                 await pipeline.runtime.media.aclose()
+                if pipeline.runtime.request_templates is not None:
+                    await pipeline.runtime.request_templates.aclose()
 
     app = FastAPI(
         title="tokenwire",
@@ -67,11 +83,21 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(info.router)
     app.include_router(tokenize.router)
     app.include_router(render.router)
+    app.include_router(extend.router)
     app.include_router(generate.router)
     app.include_router(derender.router)
     app.include_router(openai.router)
-    # Outermost last: ids on every response, then metrics, auth, and the body limit.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.include_router(sglang.router)
+    if settings.enable_rl_control:
+        app.include_router(control.router)
+    # Outermost last: ids on every response, then metrics, auth, the body checks, and bugs
+    # answered as JSON 500s.
+    app.add_middleware(UnexpectedErrorMiddleware)
+    app.add_middleware(
+        RequestBodyMiddleware,
+        max_bytes=settings.max_request_bytes,
+        read_timeout_s=settings.request_read_timeout_s,
+    )
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
@@ -95,6 +121,12 @@ async def _load_runtime(pipeline: Pipeline, settings: Settings, metrics: Metrics
             on_cache_hit=metrics.media_cache_hits.labels("image").inc,
             on_cache_miss=metrics.media_cache_misses.labels("image").inc,
         )
+        request_templates = None
+        if settings.trust_request_chat_template:
+            request_templates = RequestTemplateWorkers(
+                settings.request_template_limits(), tokenizer.special_tokens_map
+            )
+            await request_templates.start()
         engine = HFEngine(
             model_dir,
             max_model_len=settings.max_model_len,
@@ -118,6 +150,7 @@ async def _load_runtime(pipeline: Pipeline, settings: Settings, metrics: Metrics
         eos_token_ids=frozenset(engine.eos_token_ids),
         media=media,
         decoder=TokenTextDecoder(tokenizer, table),
+        request_templates=request_templates,
     )
     _settle_heap()
     pipeline.runtime = runtime

@@ -1,8 +1,9 @@
 """Routes whose JSON bodies are parsed with orjson (derender bodies run to tens of MB).
 
 FastAPI parses bodies with the stdlib ``json``, 2-4x slower than orjson on large bodies. orjson
-refuses a few things ``json`` takes (NaN and Infinity literals, integers beyond 64 bits, lone
-surrogates); such bodies go to ``json``, so a route accepts what it accepted before.
+refuses a few things ``json`` takes (NaN and Infinity literals, integers beyond 64 bits; lone
+surrogates never get here, ``RequestBodyMiddleware`` refuses them); such bodies go to ``json``,
+so a route accepts and refuses what it did before.
 """
 
 from __future__ import annotations

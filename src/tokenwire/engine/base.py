@@ -8,9 +8,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 FinishReason = Literal["stop", "length", "abort"]
+# How a pause treats requests in flight (vLLM's names): "abort" ends them now with their
+# partial tokens, "wait" lets them finish, "keep" freezes them until resume.
+PauseMode = Literal["abort", "wait", "keep"]
+DEFAULT_WEIGHT_VERSION = "default"
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +84,8 @@ class EngineOutput:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    # The weight version that sampled ``new_token_ids`` (one version per output).
+    weight_version: str = DEFAULT_WEIGHT_VERSION
     # Sent once, with the first output: None for the first prompt position.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_prompt_tokens: int = 0
@@ -94,6 +101,10 @@ class EngineStats:
 
 class EngineError(Exception):
     """A request the engine cannot serve (e.g. too long); mapped to a 400 by the api layer."""
+
+
+class WeightsError(EngineError):
+    """New weights that do not fit the running model; the old weights stay."""
 
 
 class Engine(Protocol):
@@ -125,3 +136,25 @@ class Engine(Protocol):
     def is_ready(self) -> bool: ...
 
     async def shutdown(self) -> None: ...
+
+    # -- RL control: between steps, in the order the calls were made ------------------------
+
+    weight_version: str
+
+    async def pause(self, mode: PauseMode, *, clear_cache: bool = False) -> int:
+        """Stop stepping; return how many requests were in flight. ``"wait"`` returns once they
+        finished; ``clear_cache`` drops kept requests' KV so they recompute on resume."""
+        ...
+
+    async def resume(self) -> None: ...
+
+    def is_paused(self) -> bool: ...
+
+    async def load_weights(self, weight_dir: Path, version: str) -> None:
+        """Swap in a checkpoint of the same architecture (``WeightsError`` if it does not fit);
+        tokens sampled afterwards carry ``version``."""
+        ...
+
+    async def set_weight_version(self, version: str) -> None: ...
+
+    async def reset_prefix_cache(self) -> bool: ...

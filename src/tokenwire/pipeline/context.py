@@ -6,16 +6,15 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from tokenwire.engine.base import Engine
+from tokenwire.engine.base import Engine, PauseMode
 from tokenwire.media.service import MediaService
 from tokenwire.parsers import ReasoningParser, ToolParser, get_reasoning_parser, get_tool_parser
 from tokenwire.pipeline.errors import NotReady, UnknownModel
 from tokenwire.pipeline.jobs import JobRegistry
 from tokenwire.settings import Settings
-from tokenwire.text.chat_template import ChatTemplate
+from tokenwire.text.chat_template import ChatTemplate, RequestTemplateWorkers
 from tokenwire.text.token_text import TokenTextDecoder
 from tokenwire.text.tokenizer import Tokenizer
 
@@ -71,10 +70,17 @@ class ModelRuntime:
     media: MediaService
     # Exact token texts and incremental decoding: every path from ids to text goes through it.
     decoder: TokenTextDecoder
+    # The processes request templates render in; None unless --trust-request-chat-template.
+    request_templates: RequestTemplateWorkers | None = None
 
 
-# Request-supplied templates (trusted servers only) compiled once, least recently used out.
-MAX_CACHED_REQUEST_TEMPLATES = 16
+@dataclass(slots=True)
+class ControlState:
+    """What the RL control routes set (see ``pipeline.control``); every new request reads it."""
+
+    pause_mode: PauseMode | None = None
+    sleeping: bool = False
+    reloads: int = 0  # numbers the versions of reloads that name none
 
 
 @dataclass(slots=True)
@@ -86,7 +92,7 @@ class Pipeline:
     shutting_down: bool = False
     load_error: str | None = None
     jobs: JobRegistry = field(default_factory=JobRegistry)
-    request_templates: OrderedDict[str, ChatTemplate] = field(default_factory=OrderedDict)
+    control: ControlState = field(default_factory=ControlState)
 
     def ready(self, model: str | None = None) -> ModelRuntime:
         """The loaded model for a request naming ``model`` (missing or empty: the served one)."""

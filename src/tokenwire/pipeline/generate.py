@@ -8,8 +8,9 @@ from typing import Any
 
 from tokenwire.engine.base import MultiModalInput
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
+from tokenwire.pipeline.control import admit
 from tokenwire.pipeline.decoder import PLAIN, ChoiceDecoder, DecodeOptions
-from tokenwire.pipeline.jobs import ChoiceResult, GenerationJob
+from tokenwire.pipeline.jobs import ChoiceResult, GenerationJob, add_weight_span
 from tokenwire.pipeline.logprobs import prompt_logprobs_json, token_logprobs_json
 from tokenwire.pipeline.response_json import usage_json
 from tokenwire.pipeline.validation import check_n, check_prompt
@@ -25,6 +26,7 @@ def start_job(
     media: MultiModalInput | None = None,
 ) -> GenerationJob:
     """Check the request against the model and register the job so it can be aborted by id."""
+    admit(pipeline)
     check_n(pipeline.config, params.n)
     max_tokens = check_prompt(runtime, prompt_ids, params.max_tokens, param="token_ids")
     job = GenerationJob(
@@ -89,24 +91,28 @@ class Generation:
         wants_logprobs = job.params.num_logprobs is not None
         prompt_tokens = len(job.prompt_ids)
         completion_tokens = 0
+        # Per choice: (tokens so far, weight version spans), sent with its final chunk.
+        produced = [0] * job.params.n
+        spans: list[list[dict[str, Any]]] = [[] for _ in range(job.params.n)]
         try:
             async for delta in job.deltas():
                 output = delta.output
+                index = delta.index
                 completion_tokens += len(output.new_token_ids)
-                chunk: dict[str, Any] = {
-                    "request_id": job.request_id,
-                    "choices": [
-                        {
-                            "index": delta.index,
-                            "token_ids": output.new_token_ids,
-                            "logprobs": token_logprobs_json(output.logprobs or [], num_top)
-                            if wants_logprobs
-                            else None,
-                            "finish_reason": output.finish_reason,
-                            "stop_reason": output.stop_reason,
-                        }
-                    ],
+                add_weight_span(spans[index], output, produced[index])
+                produced[index] += len(output.new_token_ids)
+                choice: dict[str, Any] = {
+                    "index": index,
+                    "token_ids": output.new_token_ids,
+                    "logprobs": token_logprobs_json(output.logprobs or [], num_top)
+                    if wants_logprobs
+                    else None,
+                    "finish_reason": output.finish_reason,
+                    "stop_reason": output.stop_reason,
                 }
+                if output.finish_reason is not None:
+                    choice["weight_versions"] = spans[index]
+                chunk: dict[str, Any] = {"request_id": job.request_id, "choices": [choice]}
                 if output.prompt_logprobs is not None:
                     chunk["prompt_logprobs"] = prompt_logprobs_json(
                         job.prompt_ids, output.prompt_logprobs
@@ -144,11 +150,6 @@ async def start_generation(
     return Generation(pipeline, job, body)
 
 
-async def abort_requests(pipeline: Pipeline, request_ids: list[str]) -> dict[str, Any]:
-    pipeline.ready()
-    return {"aborted": await pipeline.jobs.abort(request_ids)}
-
-
 def _choice_json(result: ChoiceResult, num_top: int) -> dict[str, Any]:
     return {
         "index": result.index,
@@ -158,4 +159,5 @@ def _choice_json(result: ChoiceResult, num_top: int) -> dict[str, Any]:
         else token_logprobs_json(result.logprobs, num_top),
         "finish_reason": result.finish_reason,
         "stop_reason": result.stop_reason,
+        "weight_versions": result.weight_versions,
     }

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tokenwire.engine.base import (
     EngineError,
@@ -39,6 +39,19 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    weight_versions: list[dict[str, Any]] = field(default_factory=list)
+
+
+def add_weight_span(spans: list[dict[str, Any]], output: EngineOutput, start: int) -> None:
+    """Record that output tokens [start, start + n) were sampled by ``output.weight_version``:
+    vLLM's ``weight_versions`` spans, one per run of a version."""
+    count = len(output.new_token_ids)
+    if not count:
+        return
+    if spans and spans[-1]["version"] == output.weight_version and spans[-1]["end"] == start:
+        spans[-1]["end"] = start + count
+    else:
+        spans.append({"version": output.weight_version, "start": start, "end": start + count})
 
 
 @dataclass(slots=True)
@@ -119,6 +132,7 @@ class GenerationJob:
         async for delta in self.deltas():
             result = results[delta.index]
             output = delta.output
+            add_weight_span(result.weight_versions, output, len(result.token_ids))
             result.token_ids.extend(output.new_token_ids)
             if result.logprobs is not None and output.logprobs:
                 result.logprobs.extend(output.logprobs)
@@ -192,6 +206,9 @@ class JobRegistry:
                 await job.abort()
                 aborted.append(request_id)
         return aborted
+
+    def ids(self) -> list[str]:
+        return list(self._jobs)
 
     def __len__(self) -> int:
         return len(self._jobs)

@@ -10,24 +10,24 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from tokenwire.protocol.common import RequestModel
+from tokenwire.protocol.common import Int64, NonNegativeInt64, RequestModel, TokenId
 from tokenwire.protocol.logprobs_in import LogprobsIn
 from tokenwire.protocol.openai import ChatCompletionRequest, CompletionRequest
 
 
 class GenerateChoiceIn(RequestModel):
-    index: int = Field(default=0, ge=0)
-    token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    index: NonNegativeInt64 = 0
+    token_ids: list[TokenId] | None = None
     logprobs: LogprobsIn | None = None
     finish_reason: str | None = None
     # The stop token id or stop string that ended the choice, as generate reports it.
-    stop_reason: int | str | None = None
+    stop_reason: Int64 | str | None = None
 
 
 class GenerateResponseIn(RequestModel):
     request_id: str = ""
     model: str | None = None
-    created: int | None = None
+    created: Int64 | None = None
     choices: list[GenerateChoiceIn] = Field(min_length=1)
     usage: dict[str, Any] | None = None
 
@@ -52,8 +52,8 @@ class ChatDerenderRequest(RequestModel):
     model: str | None = None
     stream: Literal[False] = False
     generate_response: GenerateResponseIn
-    prompt_tokens: int | None = Field(default=None, ge=0)
-    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    prompt_tokens: NonNegativeInt64 | None = None
+    prompt_token_ids: list[TokenId] | None = None
     chat_request: ChatCompletionRequest | None = None
 
 
@@ -62,8 +62,8 @@ class ChatDerenderStreamRequest(RequestModel):
     stream: Literal[True]
     generate_chunk: GenerateChunkIn
     stream_state: str | None = None
-    prompt_tokens: int | None = Field(default=None, ge=0)
-    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    prompt_tokens: NonNegativeInt64 | None = None
+    prompt_token_ids: list[TokenId] | None = None
     chat_request: ChatCompletionRequest | None = None
 
 
@@ -71,8 +71,8 @@ class CompletionDerenderRequest(RequestModel):
     model: str | None = None
     stream: Literal[False] = False
     generate_responses: list[GenerateResponseIn] = Field(min_length=1)
-    prompt_tokens: list[int] | None = None
-    prompt_token_ids: list[list[Annotated[int, Field(ge=0)]] | None] | None = None
+    prompt_tokens: list[NonNegativeInt64] | None = None
+    prompt_token_ids: list[list[TokenId] | None] | None = None
     completion_request: CompletionRequest | None = None
 
     @model_validator(mode="after")

@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from pydantic import Field
 from starlette.responses import Response
 
 from tokenwire.api.disconnect import unless_disconnected
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.sse import sse_response
 from tokenwire.api.state import pipeline_of
+from tokenwire.pipeline import control
 from tokenwire.pipeline import generate as generation
-from tokenwire.protocol.common import RequestModel
+from tokenwire.protocol.control import AbortRequestsBody, InferenceAbortBody
 from tokenwire.protocol.generate import GenerateRequest
 
 router = APIRouter(tags=["generate"])
-
-
-class AbortRequest(RequestModel):
-    request_ids: list[str] = Field(min_length=1)
 
 
 @router.post("/inference/v1/generate")
@@ -33,5 +29,14 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
 
 
 @router.post("/abort_requests")
-async def abort_requests(body: AbortRequest, request: Request) -> Response:
-    return OrjsonResponse(await generation.abort_requests(pipeline_of(request), body.request_ids))
+async def abort_requests(body: AbortRequestsBody, request: Request) -> Response:
+    """vLLM's: missing or empty ``request_ids`` aborts every running request."""
+    aborted = await control.abort_requests(pipeline_of(request), body.request_ids)
+    return OrjsonResponse({"status": "aborted", "aborted": aborted})
+
+
+@router.post("/inference/v1/abort_requests")
+async def inference_abort_requests(body: InferenceAbortBody, request: Request) -> Response:
+    if body.request_ids:  # unlike /abort_requests, an empty list aborts nothing
+        await control.abort_requests(pipeline_of(request), body.request_ids)
+    return Response(status_code=200)

@@ -17,8 +17,27 @@ from typing import Any
 
 import torch
 
-from tokenwire.engine.base import EngineError, EngineOutput, EngineStats, SamplingParams
-from tokenwire.engine.hf.handoff import Abort, Add, Command, Request, Sink, Stop
+from tokenwire.engine.base import (
+    EngineError,
+    EngineOutput,
+    EngineStats,
+    PauseMode,
+    SamplingParams,
+    WeightsError,
+)
+from tokenwire.engine.hf.handoff import (
+    Abort,
+    Add,
+    Command,
+    Pause,
+    Reply,
+    Request,
+    Resume,
+    SetVersion,
+    Sink,
+    Stop,
+    SwapWeights,
+)
 from tokenwire.engine.hf.multimodal import RequestMedia, VisionSpec, check_media
 from tokenwire.engine.hf.runner import ModelRunner
 from tokenwire.engine.hf.scheduler import Scheduler
@@ -28,8 +47,19 @@ logger = logging.getLogger(__name__)
 MAX_MODEL_LEN_CAP = 8192
 
 
+def _coalesce(items: list[EngineOutput]) -> list[EngineOutput]:
+    """Outputs a slow consumer has not read yet, merged per run of one weight version."""
+    runs: list[list[EngineOutput]] = []
+    for item in items:
+        if runs and runs[-1][-1].weight_version == item.weight_version:
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+    return [_merge(run) for run in runs]
+
+
 def _merge(items: list[EngineOutput]) -> EngineOutput:
-    """Coalesce outputs a slow consumer has not read yet into one."""
+    """One output for consecutive outputs of the same weight version."""
     if len(items) == 1:
         return items[0]
     first = items[0]
@@ -38,6 +68,7 @@ def _merge(items: list[EngineOutput]) -> EngineOutput:
         logprobs=[] if any(o.logprobs is not None for o in items) else None,
         prompt_logprobs=first.prompt_logprobs,
         num_prompt_tokens=first.num_prompt_tokens,
+        weight_version=first.weight_version,
     )
     for o in items:
         merged.new_token_ids.extend(o.new_token_ids)
@@ -49,6 +80,24 @@ def _merge(items: list[EngineOutput]) -> EngineOutput:
         if o.finish_reason is not None:
             merged.finish_reason, merged.stop_reason = o.finish_reason, o.stop_reason
     return merged
+
+
+def read_checkpoint(weight_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a HF checkpoint directory's ``*.safetensors`` files, on the CPU."""
+    from safetensors.torch import load_file
+
+    if not weight_dir.is_dir():
+        raise WeightsError(f"{weight_dir} is not a directory")
+    files = sorted(weight_dir.glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"{weight_dir} holds no *.safetensors files")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            tensors.update(load_file(file, device="cpu"))
+        except Exception as exc:  # a truncated or foreign file
+            raise WeightsError(f"{file.name} is not a readable safetensors file: {exc}") from exc
+    return tensors
 
 
 class HFEngine:
@@ -174,7 +223,8 @@ class HFEngine:
             raise EngineError(f"request id {request_id!r} is already running")
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
         self._live[request_id] = sink
-        self._inbox.put(Add(Request(request_id, prompt, sampling, sink, checked)))
+        request = Request(request_id, prompt, sampling, sink, checked, has_images=bool(checked))
+        self._inbox.put(Add(request))
         finished = False
         try:
             while True:
@@ -186,10 +236,9 @@ class HFEngine:
                     finished = True
                     # Not an EngineError: that means "bad request" (400) to the api layer.
                     raise RuntimeError(f"hf engine step failed: {errors[0]}") from errors[0]
-                out = _merge([i for i in items if isinstance(i, EngineOutput)])
-                if out.finish_reason is not None:
-                    finished = True
-                yield out
+                for out in _coalesce([i for i in items if isinstance(i, EngineOutput)]):
+                    finished = finished or out.finish_reason is not None
+                    yield out
                 if finished:
                     return
         finally:
@@ -204,6 +253,41 @@ class HFEngine:
             return False
         self._inbox.put(Abort(request_id))
         return True
+
+    # -- RL control ---------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> str:
+        return self._scheduler.weight_version
+
+    def is_paused(self) -> bool:
+        return self._scheduler.paused
+
+    async def pause(self, mode: PauseMode, *, clear_cache: bool = False) -> int:
+        """Stop stepping (see ``Engine.pause``); applied between two steps."""
+        return await self._command(lambda reply: Pause(mode, clear_cache, reply))
+
+    async def resume(self) -> None:
+        await self._command(Resume)
+
+    async def load_weights(self, weight_dir: Path, version: str) -> None:
+        """Read the checkpoint on a worker thread, then swap it in between two steps."""
+        tensors = await asyncio.to_thread(read_checkpoint, Path(weight_dir))
+        await self._command(lambda reply: SwapWeights(tensors, version, reply))
+
+    async def set_weight_version(self, version: str) -> None:
+        await self._command(lambda reply: SetVersion(version, reply))
+
+    async def reset_prefix_cache(self) -> bool:
+        """Nothing to reset: the hf engine keeps no prefix cache across requests."""
+        return True
+
+    async def _command(self, make: Any) -> Any:
+        if not self.is_ready():
+            raise EngineError("the engine is not running")
+        reply = Reply.here()
+        self._inbox.put(make(reply))
+        return await reply.future
 
     async def shutdown(self) -> None:
         """Abort everything and stop the engine thread."""

@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
+from typing import Any
 
-from tokenwire.engine.base import EngineOutput, FinishReason, SamplingParams
+from tokenwire.engine.base import EngineOutput, FinishReason, PauseMode, SamplingParams
 from tokenwire.engine.hf.multimodal import RequestMedia
 from tokenwire.engine.hf.sampling import RowSampler
 
@@ -39,6 +40,20 @@ class Request:
     output: list[int] = field(default_factory=list)
     last_token: int = 0
     finish: FinishReason | None = None
+    # Its KV was dropped while paused (clear_cache): prefill prompt + output again, emit no
+    # prompt logprobs, keep the sampler (its history and generator state).
+    recompute: bool = False
+    # The prompt has images: their pixels are freed after prefill, so it cannot recompute.
+    has_images: bool = False
+
+    @property
+    def context(self) -> list[int]:
+        """The ids whose KV the next prefill computes."""
+        return [*self.prompt, *self.output] if self.recompute else self.prompt
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and not self.recompute
 
 
 @dataclass(slots=True)
@@ -55,7 +70,60 @@ class Stop:
     pass
 
 
-Command = Add | Abort | Stop
+@dataclass(slots=True)
+class Reply:
+    """Where the engine thread answers a control command: a future on the caller's loop."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+
+    @classmethod
+    def here(cls) -> Reply:
+        loop = asyncio.get_running_loop()
+        return cls(loop, loop.create_future())
+
+    def send(self, value: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # loop closed: nobody is waiting
+            self.loop.call_soon_threadsafe(_resolve, self.future, value)
+
+
+def _resolve(future: asyncio.Future[Any], value: Any) -> None:
+    if future.done():
+        return
+    if isinstance(value, BaseException):
+        future.set_exception(value)
+    else:
+        future.set_result(value)
+
+
+@dataclass(slots=True)
+class Pause:
+    mode: PauseMode
+    clear_cache: bool
+    reply: Reply
+
+
+@dataclass(slots=True)
+class Resume:
+    reply: Reply
+
+
+@dataclass(slots=True)
+class SwapWeights:
+    """New weights read off the engine thread; validated and copied in between steps."""
+
+    tensors: dict[str, Any]
+    version: str
+    reply: Reply
+
+
+@dataclass(slots=True)
+class SetVersion:
+    version: str
+    reply: Reply
+
+
+Command = Add | Abort | Stop | Pause | Resume | SwapWeights | SetVersion
 # One step's outputs (or the error that ended a stream), in the order they were made.
 Emits = list[tuple[Sink, EngineOutput | BaseException]]
 

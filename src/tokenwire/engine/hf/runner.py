@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tokenwire.engine.base import EngineError, TokenLogprob
+from tokenwire.engine.base import EngineError, TokenLogprob, WeightsError
 from tokenwire.engine.hf.handoff import Request
 from tokenwire.engine.hf.kv_cache import PaddedBatchCache
 from tokenwire.engine.hf.mrope import prefill_positions
@@ -104,6 +104,31 @@ class ModelRunner:
         self.reset_cache()
         self._warm_up()
 
+    def swap_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy a checkpoint's tensors into the model in place, all or nothing.
+
+        Every tensor must name a parameter of the same shape, and every parameter must be given
+        (or share its storage with one that is: tied embeddings are saved once). Checked before
+        anything is copied, so a mismatch leaves the old weights untouched.
+        """
+        params = self.model.state_dict(keep_vars=True)
+        unexpected = sorted(set(tensors) - set(params))
+        if unexpected:
+            raise WeightsError(f"tensors the model does not have: {', '.join(unexpected[:5])}")
+        given = {params[name].data_ptr() for name in tensors}
+        missing = [n for n, p in params.items() if n not in tensors and p.data_ptr() not in given]
+        if missing:
+            raise WeightsError(f"tensors missing from the checkpoint: {', '.join(missing[:5])}")
+        for name, tensor in tensors.items():
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise WeightsError(
+                    f"{name} has shape {tuple(tensor.shape)}; the model's is "
+                    f"{tuple(params[name].shape)}"
+                )
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                params[name].copy_(tensor)
+
     def reset_cache(self) -> None:
         """An empty running cache (at load, and after a failed decode step)."""
         self.cache = PaddedBatchCache(self._num_layers, self.device)
@@ -139,12 +164,13 @@ class ModelRunner:
         """
         from transformers import DynamicCache
 
-        n, p = len(group), max(len(r.prompt) for r in group)
+        contexts = [req.context for req in group]
+        n, p = len(group), max(map(len, contexts))
         ids = torch.zeros(n, p, dtype=torch.long)
         mask = torch.zeros(n, p, dtype=torch.bool)
-        for i, req in enumerate(group):
-            ids[i, p - len(req.prompt) :] = torch.tensor(req.prompt)
-            mask[i, p - len(req.prompt) :] = True
+        for i, context in enumerate(contexts):
+            ids[i, p - len(context) :] = torch.tensor(context)
+            mask[i, p - len(context) :] = True
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
         if any(r.media is not None for r in group):
@@ -158,22 +184,26 @@ class ModelRunner:
             )
             for req, delta in zip(group, deltas, strict=True):
                 req.rope_delta = delta
-        full_logits = group[0].params.prompt_logprobs is not None
+        wants_prompt = group[0].wants_prompt_logprobs
         cache = DynamicCache()
-        logits = self._prefill_forward(group, ids, mask, positions, cache, full_logits)
+        last_logits, hidden = self._prefill_forward(
+            group, ids, mask, positions, cache, wants_prompt
+        )
         for req in group:
             req.media = None  # the pixels live in the KV cache now; free them for long decodes
         prompt_lps: list[TokenLogprob | None] | None = None
-        if full_logits:
-            prompt_lps = self._prompt_logprobs(logits[0], group[0])
+        if hidden is not None:
+            prompt_lps = self._prompt_logprobs(hidden, group[0])
         for req in group:
+            if req.sampler is not None:  # recomputed after a pause: same history, same generator
+                continue
             stops = tuple(req.params.stop_token_ids)
             if not req.params.ignore_eos:
                 stops += tuple(e for e in self.eos_token_ids if e not in stops)
             req.sampler = RowSampler.create(
                 req.params, req.prompt, stops, self.vocab_size, self.device
             )
-        return Prefilled(logits[:, -1].float(), prompt_lps, cache, mask)
+        return Prefilled(last_logits, prompt_lps, cache, mask)
 
     def _prefill_forward(
         self,
@@ -182,24 +212,33 @@ class ModelRunner:
         mask: torch.Tensor,
         positions: torch.Tensor,
         cache: Any,
-        full_logits: bool,
-    ) -> torch.Tensor:
-        """The prefill forward; pixel values and grids go in here and only here.
+        keep_hidden: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The prefill forward: each row's last logits [n, V], and with ``keep_hidden`` the
+        single row's last hidden states [P, H] for prompt logprobs.
 
-        A request with media is always prefilled alone (see the scheduler's ``_next_group``): a
-        vision tower forward is costly, and a shared group would stall text prompts behind it.
+        Prompt logprobs never materialise [P, V] logits (2.5 GB for a 4k prompt with a 150k
+        vocabulary): the hidden states are projected a chunk of positions at a time.
+        Pixel values and grids go in here and only here. A request with media is always
+        prefilled alone (see the scheduler's ``_next_group``): a vision tower forward is costly,
+        and a shared group would stall text prompts behind it.
         """
-        media_kwargs = prefill_media_kwargs([r.media for r in group], self.device, self.dtype)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=0 if full_logits else 1,
-            **media_kwargs,
-        )
-        return out.logits
+        inputs = {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "position_ids": positions,
+            "cache": cache,
+            "use_cache": True,
+            **prefill_media_kwargs([r.media for r in group], self.device, self.dtype),
+        }
+        if not keep_hidden:
+            return self.model(**inputs, logits_to_keep=1).logits[:, -1].float(), None
+        hidden = self.model.base_model(**inputs).last_hidden_state
+        return self._project(hidden[:, -1]).float(), hidden[0]
+
+    def _project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states -> logits: what the causal LM head does after the decoder."""
+        return self.model.get_output_embeddings()(hidden)
 
     def join(self, prefilled: Prefilled, alive: list[int]) -> None:
         """Move the prefilled rows at indexes ``alive`` into the running cache, in order."""
@@ -249,15 +288,15 @@ class ModelRunner:
         assert self.cache is not None
         return self.cache.drop(rows)
 
-    def _prompt_logprobs(self, logits: torch.Tensor, req: Request) -> list[TokenLogprob | None]:
+    def _prompt_logprobs(self, hidden: torch.Tensor, req: Request) -> list[TokenLogprob | None]:
         """Raw logprobs of each prompt token given its prefix (the first has none)."""
         k = req.params.prompt_logprobs or 0
-        p = logits.shape[0]
+        p = hidden.shape[0]
         offset = p - len(req.prompt)
         result: list[TokenLogprob | None] = [None]
         for start in range(1, len(req.prompt), PROMPT_LOGPROB_CHUNK):
             stop = min(start + PROMPT_LOGPROB_CHUNK, len(req.prompt))
-            chunk = logits[offset + start - 1 : offset + stop - 1]
+            chunk = self._project(hidden[offset + start - 1 : offset + stop - 1]).float()
             chosen = req.prompt[start:stop]
             result.extend(token_logprobs(chunk, chosen, [k] * len(chosen)))
         return result

@@ -5,6 +5,9 @@ their rows then join the running cache) or one decode step for every running row
 finish or are aborted leave the cache right after the step that ends them; ``running[i]`` is
 always cache row ``i``. A failed prefill fails only its group; a failed decode fails the batch
 and starts from an empty cache.
+
+Control commands (pause, resume, new weights, a new weight version) are applied between steps
+in the order they arrive, so every token is sampled by exactly one weight version.
 """
 
 from __future__ import annotations
@@ -15,8 +18,27 @@ from collections import deque
 
 import torch
 
-from tokenwire.engine.base import EngineOutput, FinishReason, TokenLogprob
-from tokenwire.engine.hf.handoff import Add, Command, Emits, Request, Stop, deliver
+from tokenwire.engine.base import (
+    DEFAULT_WEIGHT_VERSION,
+    EngineError,
+    EngineOutput,
+    FinishReason,
+    TokenLogprob,
+)
+from tokenwire.engine.hf.handoff import (
+    Abort,
+    Add,
+    Command,
+    Emits,
+    Pause,
+    Reply,
+    Request,
+    Resume,
+    SetVersion,
+    Stop,
+    SwapWeights,
+    deliver,
+)
 from tokenwire.engine.hf.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -48,6 +70,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self._prefilling: list[Request] = []  # popped from waiting, not yet running
         self.stopping = False
+        self.paused = False
+        # A "wait" pause answered once the requests in flight have finished.
+        self._drain_reply: Reply | None = None
+        self._drain_count = 0
+        self.weight_version = DEFAULT_WEIGHT_VERSION
         self.num_running = 0
         self.num_waiting = 0
         self.steps = 0
@@ -58,9 +85,12 @@ class Scheduler:
         with torch.inference_mode():
             while not self.stopping:
                 emits: Emits = []
-                self._drain_inbox(emits, block=not (self.running or self.waiting))
+                idle = self.paused or not (self.running or self.waiting)
+                self._drain_inbox(emits, block=idle)
                 if self.stopping:
                     self._abort_all(emits)
+                elif self.paused:
+                    pass
                 elif self.waiting and len(self.running) < self.max_num_seqs:
                     try:
                         self._prefill_step(emits)
@@ -76,6 +106,7 @@ class Scheduler:
                         self.running = []
                         self.runner.reset_cache()
                 self._prefilling = []
+                self._finish_drain()
                 self._publish()
                 deliver(emits)
         self._refuse_late_requests()
@@ -89,7 +120,9 @@ class Scheduler:
             except queue.Empty:
                 break
             if isinstance(cmd, Add):
-                emits.append((cmd.request.sink, EngineOutput([], finish_reason="abort")))
+                emits.append((cmd.request.sink, self._output([], "abort")))
+            elif isinstance(cmd, Pause | Resume | SwapWeights | SetVersion):
+                cmd.reply.send(EngineError("the engine is shutting down"))
         deliver(emits)
 
     def _drain_inbox(self, emits: Emits, block: bool) -> None:
@@ -103,25 +136,83 @@ class Scheduler:
                 self.stopping = True
             elif isinstance(cmd, Add):
                 self.waiting.append(cmd.request)
-            else:
+            elif isinstance(cmd, Abort):
                 self._apply_aborts({cmd.request_id}, emits)
+            else:
+                self._control(cmd, emits)
             try:
                 cmd = self.inbox.get_nowait()
             except queue.Empty:
                 break
 
+    def _control(self, cmd: Command, emits: Emits) -> None:
+        """Pause, resume, swap weights or set the version, between two steps."""
+        if isinstance(cmd, Pause):
+            in_flight = len(self.running) + len(self.waiting)
+            if cmd.mode == "abort":
+                self._abort_all(emits)
+            elif cmd.mode == "wait" and in_flight:
+                self._drain_reply, self._drain_count = cmd.reply, in_flight
+                return
+            if cmd.clear_cache:
+                self._recompute_running(emits)
+            self.paused = True
+            cmd.reply.send(in_flight)
+        elif isinstance(cmd, Resume):
+            self.paused = False
+            self._finish_drain(force=True)
+            cmd.reply.send(None)
+        elif isinstance(cmd, SwapWeights):
+            try:
+                self.runner.swap_weights(cmd.tensors)
+            except Exception as exc:  # the old weights stay
+                cmd.reply.send(exc)
+                return
+            self.weight_version = cmd.version
+            cmd.reply.send(None)
+        elif isinstance(cmd, SetVersion):
+            self.weight_version = cmd.version
+            cmd.reply.send(None)
+
+    def _finish_drain(self, *, force: bool = False) -> None:
+        """Answer a "wait" pause once nothing is in flight (or a resume came first)."""
+        reply = self._drain_reply
+        if reply is None or not (force or not (self.running or self.waiting)):
+            return
+        self._drain_reply = None
+        self.paused = not force
+        reply.send(self._drain_count)
+
+    def _recompute_running(self, emits: Emits) -> None:
+        """Drop the running rows' KV: they prefill prompt + output again on resume (with the
+        weights loaded by then). Rows with images cannot (their pixels are gone): aborted."""
+        kept = []
+        for req in self.running:
+            if req.has_images:
+                req.finish = "abort"
+                emits.append((req.sink, self._output([], "abort")))
+            else:
+                req.recompute = True
+                kept.append(req)
+        self.running = []
+        self.runner.reset_cache()
+        self.waiting.extendleft(reversed(kept))
+
+    def _output(self, token_ids: list[int], finish: FinishReason | None = None) -> EngineOutput:
+        return EngineOutput(token_ids, finish_reason=finish, weight_version=self.weight_version)
+
     def _apply_aborts(self, ids: set[str], emits: Emits) -> None:
         kept: deque[Request] = deque()
         for req in self.waiting:
             if req.request_id in ids:
-                emits.append((req.sink, EngineOutput([], finish_reason="abort")))
+                emits.append((req.sink, self._output([], "abort")))
             else:
                 kept.append(req)
         self.waiting = kept
         for req in self.running:
             if req.request_id in ids and req.finish is None:
                 req.finish = "abort"
-                emits.append((req.sink, EngineOutput([], finish_reason="abort")))
+                emits.append((req.sink, self._output([], "abort")))
         self._drop_finished()
 
     def _abort_all(self, emits: Emits) -> None:
@@ -146,12 +237,11 @@ class Scheduler:
         group: list[Request] = []
         longest = 0
         for req in self.waiting:
-            wants_prompt_lp = req.params.prompt_logprobs is not None
-            if group and (wants_prompt_lp or group[0].params.prompt_logprobs is not None):
+            if group and (req.wants_prompt_logprobs or group[0].wants_prompt_logprobs):
                 break  # full-logit prefills run alone: their logits are [P, V]
             if group and req.media is not None:
                 break
-            new_longest = max(longest, len(req.prompt))
+            new_longest = max(longest, len(req.context))
             if group and new_longest * (len(group) + 1) > MAX_PREFILL_TOKENS:
                 break
             if len(group) >= free:
@@ -191,24 +281,53 @@ class Scheduler:
         first: bool,
         prompt: list[TokenLogprob | None] | None = None,
     ) -> None:
-        result = self.runner.sample(rows, logits)
+        picks = self._sample(rows, logits, emits)
         self.tokens_generated += len(rows)
-        for i, (req, token) in enumerate(zip(rows, result.token_ids, strict=True)):
+        for i, (req, pick) in enumerate(zip(rows, picks, strict=True)):
+            if pick is None:  # its sampling failed: that request alone has ended
+                continue
+            token, lp = pick
+            is_first = not req.output  # a recomputed row has sent its first output already
             req.output.append(token)
             req.last_token = token
             req.finish, stop_reason = self._finish(req, token)
-            lp = result.logprobs[i]
+            req.recompute = False
             out = EngineOutput(
                 new_token_ids=[token],
                 logprobs=[lp] if lp is not None else None,
                 finish_reason=req.finish,
                 stop_reason=stop_reason,
+                weight_version=self.weight_version,
             )
-            if first:
+            if first and is_first:
                 out.num_prompt_tokens = len(req.prompt)
                 if prompt is not None and i == 0:
                     out.prompt_logprobs = prompt
             emits.append((req.sink, out))
+
+    def _sample(
+        self, rows: list[Request], logits: torch.Tensor, emits: Emits
+    ) -> list[tuple[int, TokenLogprob | None] | None]:
+        """One (token, logprob) per row; a row whose sampling fails ends alone.
+
+        The batch is sampled at once; only if that fails is each row retried on its own, so one
+        request's values can never fail the others'.
+        """
+        try:
+            result = self.runner.sample(rows, logits)
+            return list(zip(result.token_ids, result.logprobs, strict=True))
+        except Exception:
+            logger.exception("hf engine: sampling failed; retrying the rows one by one")
+        picks: list[tuple[int, TokenLogprob | None] | None] = []
+        for i, req in enumerate(rows):
+            try:
+                alone = self.runner.sample([req], logits[i : i + 1])
+                picks.append((alone.token_ids[0], alone.logprobs[0]))
+            except Exception as exc:
+                req.finish = "abort"
+                emits.append((req.sink, exc))
+                picks.append(None)
+        return picks
 
     def _finish(self, req: Request, token: int) -> tuple[FinishReason | None, int | None]:
         """Whether ``token`` ends the request, and its stop reason (see ``EngineOutput``).

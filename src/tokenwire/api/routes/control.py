@@ -1,0 +1,124 @@
+"""RL-loop control routes, under vLLM's, prime-rl's and SGLang's names (``--enable-rl-control``).
+
+Always behind ``--api-key`` when one is set; off unless the flag is given, since any caller
+could otherwise stop the server or load weights from its disk.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from tokenwire.api.responses import OrjsonResponse
+from tokenwire.api.state import pipeline_of
+from tokenwire.pipeline import control
+from tokenwire.protocol.control import (
+    PauseGenerationBody,
+    UpdateWeightsBody,
+    UpdateWeightsFromDiskBody,
+    UpdateWeightVersionBody,
+)
+
+router = APIRouter(tags=["rl-control"])
+
+# SGLang's pause modes in vLLM's terms: (mode, drop the kept requests' KV).
+_SGLANG_PAUSE = {"abort": ("abort", False), "retract": ("keep", True), "in_place": ("keep", False)}
+
+
+@router.post("/pause")
+async def pause(request: Request, mode: str = "abort", clear_cache: bool = False) -> Response:
+    await control.pause(pipeline_of(request), mode, clear_cache=clear_cache)
+    return OrjsonResponse({"status": "paused"})
+
+
+@router.post("/resume")
+async def resume(request: Request) -> Response:
+    await control.resume(pipeline_of(request))
+    return OrjsonResponse({"status": "resumed"})
+
+
+@router.get("/is_paused")
+async def is_paused(request: Request) -> Response:
+    return OrjsonResponse({"is_paused": control.is_paused(pipeline_of(request))})
+
+
+@router.post("/sleep")
+async def sleep(request: Request, level: int = 1) -> Response:
+    await control.sleep(pipeline_of(request), level)
+    return Response(status_code=200)
+
+
+@router.post("/wake_up")
+async def wake_up(request: Request, tags: str | None = None) -> Response:
+    await control.resume(pipeline_of(request))
+    return Response(status_code=200)
+
+
+@router.get("/is_sleeping")
+async def is_sleeping(request: Request) -> Response:
+    return OrjsonResponse({"is_sleeping": pipeline_of(request).control.sleeping})
+
+
+@router.post("/update_weight_version")
+async def update_weight_version(body: UpdateWeightVersionBody, request: Request) -> Response:
+    await control.set_weight_version(
+        pipeline_of(request), body.new_version, abort_all_requests=body.abort_all_requests
+    )
+    return OrjsonResponse(
+        {"success": True, "new_version": body.new_version, "message": "weight version updated"}
+    )
+
+
+@router.get("/weight_info")
+async def weight_info(request: Request) -> Response:
+    engine = pipeline_of(request).ready().engine
+    return OrjsonResponse({"weight_version": engine.weight_version})
+
+
+@router.post("/update_weights")
+async def update_weights(body: UpdateWeightsBody, request: Request) -> Response:
+    version = await control.load_weights(pipeline_of(request), body.weight_dir, body.weight_version)
+    return OrjsonResponse({"success": True, "weight_version": version})
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(body: UpdateWeightsFromDiskBody, request: Request) -> Response:
+    pipeline = pipeline_of(request)
+    version = await control.load_weights(
+        pipeline,
+        body.model_path,
+        body.weight_version,
+        abort_all_requests=body.abort_all_requests,
+    )
+    return OrjsonResponse(
+        {
+            "success": True,
+            "message": f"Succeeded to update model weights (version {version}).",
+            "num_paused_requests": control.num_paused_requests(pipeline),
+        }
+    )
+
+
+@router.post("/pause_generation")
+async def pause_generation(body: PauseGenerationBody, request: Request) -> Response:
+    mode, clear_cache = _SGLANG_PAUSE[body.mode]
+    await control.pause(pipeline_of(request), mode, clear_cache=clear_cache)
+    return OrjsonResponse({"message": "Generation paused.", "status": "ok"})
+
+
+@router.post("/continue_generation")
+async def continue_generation(request: Request) -> Response:
+    await control.resume(pipeline_of(request))
+    return OrjsonResponse({"message": "Generation continued.", "status": "ok"})
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> Response:
+    success = await pipeline_of(request).ready().engine.reset_prefix_cache()
+    return OrjsonResponse({"success": success})
+
+
+@router.get("/get_world_size")
+async def get_world_size(request: Request) -> Response:
+    pipeline_of(request).ready()
+    return OrjsonResponse({"world_size": 1})

@@ -1,0 +1,48 @@
+"""SGLang's native routes: ``/generate``, ``/abort_request``, ``/model_info``; and the load
+endpoints routers poll (vllm-router's ``/get_load``, vLLM's ``/load``)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from tokenwire.api.disconnect import unless_disconnected
+from tokenwire.api.responses import OrjsonResponse
+from tokenwire.api.sse import sse_response
+from tokenwire.api.state import pipeline_of
+from tokenwire.pipeline import control
+from tokenwire.pipeline.sglang import start_sglang_generate
+from tokenwire.protocol.control import AbortRequestBody
+from tokenwire.protocol.sglang import SGLangGenerateRequest
+
+router = APIRouter(tags=["sglang"])
+
+
+@router.post("/generate")
+async def generate(body: SGLangGenerateRequest, request: Request) -> Response:
+    run = await start_sglang_generate(pipeline_of(request), body)
+    if body.stream:
+        return sse_response(run.chunks())
+    return OrjsonResponse(await unless_disconnected(request, run.response()))
+
+
+@router.post("/abort_request")
+async def abort_request(body: AbortRequestBody, request: Request) -> Response:
+    ids = None if body.abort_all else [body.rid]
+    await control.abort_requests(pipeline_of(request), ids)
+    return Response(status_code=200)
+
+
+@router.get("/model_info")
+async def model_info(request: Request) -> Response:
+    return OrjsonResponse(control.model_info(pipeline_of(request)))
+
+
+@router.get("/get_load")
+async def get_load(request: Request) -> Response:
+    return OrjsonResponse({"load": control.load(pipeline_of(request))})
+
+
+@router.get("/load")
+async def load(request: Request) -> Response:
+    return OrjsonResponse({"server_load": control.load(pipeline_of(request))})

@@ -1,0 +1,131 @@
+"""RL-loop control: pause and resume around weight reloads, and weight versions.
+
+A trainer pauses the server, loads new weights, names their version and resumes; every output
+token carries the version that sampled it. Pause modes are vLLM's: ``abort`` ends requests in
+flight now (with their partial tokens), ``wait`` lets them finish, ``keep`` freezes them until
+resume (``clear_cache``: they recompute their KV with the weights loaded by then). While paused
+by ``abort`` or ``wait`` (or asleep), new requests get a 503 until resume, as in vLLM 0.33;
+under ``keep`` they queue.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tokenwire.engine.base import EngineError, PauseMode
+from tokenwire.pipeline.context import Pipeline
+from tokenwire.pipeline.errors import InvalidRequest, NotReady
+
+PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
+
+
+def admit(pipeline: Pipeline) -> None:
+    """Refuse a new request while asleep or paused by ``abort`` / ``wait``."""
+    state = pipeline.control
+    if state.sleeping:
+        raise NotReady("The engine is sleeping; wake it up first")
+    if state.pause_mode in ("abort", "wait"):
+        raise NotReady("The engine is paused; new requests are refused until resume")
+
+
+async def pause(pipeline: Pipeline, mode: str, *, clear_cache: bool = False) -> int:
+    """Pause the engine; return how many requests were in flight."""
+    if mode not in PAUSE_MODES:
+        raise InvalidRequest(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
+    engine = pipeline.ready().engine
+    state = pipeline.control
+    previous, state.pause_mode = state.pause_mode, mode  # type: ignore[assignment]
+    try:
+        return await engine.pause(mode, clear_cache=clear_cache)  # type: ignore[arg-type]
+    except BaseException:
+        state.pause_mode = previous
+        raise
+
+
+async def resume(pipeline: Pipeline) -> None:
+    await pipeline.ready().engine.resume()
+    pipeline.control.pause_mode = None
+    pipeline.control.sleeping = False
+
+
+def is_paused(pipeline: Pipeline) -> bool:
+    return pipeline.control.pause_mode is not None
+
+
+async def sleep(pipeline: Pipeline, level: int) -> None:
+    """vLLM's sleep: requests in flight end now and new ones are refused until wake-up. The hf
+    engine keeps its weights in memory at every level (there is no device memory to free)."""
+    if level not in (1, 2):
+        raise InvalidRequest(f"level must be 1 or 2, got {level}", "level")
+    await pause(pipeline, "abort")
+    pipeline.control.sleeping = True
+
+
+async def abort_requests(pipeline: Pipeline, request_ids: list[str] | None = None) -> int:
+    """Abort running requests by id (None or empty: all); return how many were running.
+
+    Aborted requests end with ``finish_reason: "abort"`` and keep the tokens made so far.
+    """
+    pipeline.ready()
+    return len(await pipeline.jobs.abort(request_ids or pipeline.jobs.ids()))
+
+
+async def load_weights(
+    pipeline: Pipeline,
+    weight_dir: str,
+    version: str | None,
+    *,
+    abort_all_requests: bool = False,
+) -> str:
+    """Swap in a checkpoint directory between engine steps; return its version.
+
+    A checkpoint that does not fit the model is a 400 and the old weights stay.
+    """
+    engine = pipeline.ready().engine
+    if abort_all_requests:
+        await abort_requests(pipeline)
+    state = pipeline.control
+    if version is None:
+        version = str(state.reloads + 1)
+    try:
+        await engine.load_weights(Path(weight_dir), version)
+    except EngineError as exc:
+        raise InvalidRequest(f"weights not loaded: {exc}", "weight_dir") from exc
+    state.reloads += 1
+    return version
+
+
+async def set_weight_version(
+    pipeline: Pipeline, version: str, *, abort_all_requests: bool = False
+) -> None:
+    engine = pipeline.ready().engine
+    if abort_all_requests:
+        await abort_requests(pipeline)
+    await engine.set_weight_version(version)
+
+
+def num_paused_requests(pipeline: Pipeline) -> int:
+    if not is_paused(pipeline):
+        return 0
+    stats = pipeline.ready().engine.stats()
+    return stats.running + stats.waiting
+
+
+def load(pipeline: Pipeline) -> int:
+    """Requests running or waiting in the engine: what routers balance on."""
+    stats = pipeline.ready().engine.stats()
+    return stats.running + stats.waiting
+
+
+def model_info(pipeline: Pipeline) -> dict[str, Any]:
+    """SGLang's ``/model_info``."""
+    runtime = pipeline.ready()
+    return {
+        "model_path": pipeline.config.model_root,
+        "tokenizer_path": pipeline.config.model_root,
+        "is_generation": True,
+        "served_model_name": pipeline.config.served_name,
+        "weight_version": runtime.engine.weight_version,
+        "max_model_len": runtime.max_model_len,
+    }

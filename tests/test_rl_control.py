@@ -1,0 +1,362 @@
+"""An RL training loop's shape end to end on SmolLM2: generate, pause in every mode with requests
+in flight, reload perturbed weights, resume; versions on every token and trainer-parity logprobs
+with the NEW weights. Plus every control route's success and bad input, and SGLang's /generate."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from tests.conftest import Server
+from tokenwire.assets import prepare
+
+PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def rl(rl_server: Server) -> Iterator[httpx.Client]:
+    """The shared RL server, as a fresh one is: running, weights named "default"."""
+    with rl_server.client() as client:
+        assert client.post("/resume").status_code == 200
+        assert client.post("/update_weight_version", json={"new_version": "default"}).is_success
+        yield client
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(rl: httpx.Client) -> list[int]:
+    return rl.post("/tokenize", json={"messages": PROMPT}).json()["tokens"]
+
+
+@pytest.fixture(scope="module")
+def base_dir() -> Path:
+    return prepare("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def perturbed_dir(base_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same architecture with seeded noise on every weight: a 'training step'."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.02 * param.std())
+    out = tmp_path_factory.mktemp("perturbed")
+    model.save_pretrained(out)
+    return out
+
+
+@functools.cache
+def trainer_model(model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def raw_logprobs(model_dir: Path, prompt: list[int], output: list[int]) -> list[float]:
+    """What a trainer computes: log-softmax of one full forward over prompt + output."""
+    model = trainer_model(model_dir)
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    start = len(prompt) - 1
+    return [logprobs[start + i, token].item() for i, token in enumerate(output)]
+
+
+def generate(client: httpx.Client, ids: list[int], **sampling: Any) -> httpx.Response:
+    body = {"token_ids": ids, "sampling_params": {"temperature": 0, **sampling}}
+    return client.post("/inference/v1/generate", json=body)
+
+
+class Stream:
+    """A streaming generate read on a thread: chunks as they come, then the final choice."""
+
+    def __init__(self, server: Server, ids: list[int], **sampling: Any) -> None:
+        self.chunks: list[dict] = []
+        self.done = threading.Event()
+        body = {
+            "token_ids": ids,
+            "stream": True,
+            "sampling_params": {"temperature": 0, "logprobs": 0, **sampling},
+        }
+        self.thread = threading.Thread(target=self._run, args=(server, body), daemon=True)
+        self.thread.start()
+
+    def _run(self, server: Server, body: dict) -> None:
+        with (
+            server.client() as client,
+            client.stream("POST", "/inference/v1/generate", json=body) as response,
+        ):
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    self.chunks.append(json.loads(line[6:]))
+        self.done.set()
+
+    def tokens(self) -> list[int]:
+        return [t for c in self.chunks for ch in c["choices"] for t in ch["token_ids"]]
+
+    def logprobs(self) -> list[float]:
+        return [
+            e["logprob"]
+            for c in self.chunks
+            for ch in c["choices"]
+            for e in ch["logprobs"]["content"]
+        ]
+
+    def wait_for_tokens(self, count: int) -> None:
+        deadline = time.monotonic() + 60
+        while len(self.tokens()) < count:
+            assert time.monotonic() < deadline and not self.done.is_set(), "stream stalled"
+            time.sleep(0.02)
+
+    def final(self) -> dict:
+        assert self.done.wait(120), "stream did not end"
+        return next(ch for c in self.chunks for ch in c["choices"] if ch["finish_reason"])
+
+
+def ok(response: httpx.Response) -> Any:
+    assert response.status_code == 200, response.text
+    return response.json() if response.content else None
+
+
+def test_control_routes_are_off_by_default(smollm2: httpx.Client) -> None:
+    assert smollm2.post("/pause").status_code == 404
+    assert smollm2.post("/update_weights", json={"weight_dir": "/tmp"}).status_code == 404
+    # Routers' load endpoints are always there.
+    assert ok(smollm2.get("/get_load")) == {"load": 0}
+    assert ok(smollm2.get("/load")) == {"server_load": 0}
+
+
+def test_control_routes_need_the_api_key(rl_server: Server) -> None:
+    with httpx.Client(base_url=rl_server.url) as anonymous:
+        assert anonymous.post("/pause").status_code == 401
+        assert anonymous.post("/update_weights", json={"weight_dir": "/tmp"}).status_code == 401
+
+
+def test_pause_abort_ends_requests_in_flight(rl_server: Server, rl: httpx.Client) -> None:
+    stream = Stream(rl_server, [1, 2, 3], max_tokens=500, ignore_eos=True)
+    stream.wait_for_tokens(3)
+    assert ok(rl.post("/pause", params={"mode": "abort"})) == {"status": "paused"}
+    final = stream.final()
+    assert final["finish_reason"] == "abort"
+    assert 3 <= len(stream.tokens()) < 500  # the partial tokens were kept
+    assert ok(rl.get("/is_paused")) == {"is_paused": True}
+    refused = generate(rl, [1, 2, 3], max_tokens=2)
+    assert refused.status_code == 503 and "paused" in refused.json()["error"]["message"]
+    assert ok(rl.post("/resume")) == {"status": "resumed"}
+    assert ok(rl.get("/is_paused")) == {"is_paused": False}
+    assert len(ok(generate(rl, [1, 2, 3], max_tokens=2))["choices"][0]["token_ids"]) == 2
+
+
+def test_pause_wait_lets_requests_finish(rl_server: Server, rl: httpx.Client) -> None:
+    stream = Stream(rl_server, [1, 2, 3], max_tokens=12, ignore_eos=True)
+    stream.wait_for_tokens(1)
+    assert ok(rl.post("/pause", params={"mode": "wait"})) == {"status": "paused"}
+    # /pause answered once the request in flight had finished, normally.
+    assert stream.final()["finish_reason"] == "length"
+    assert len(stream.tokens()) == 12
+    assert generate(rl, [1, 2, 3], max_tokens=2).status_code == 503
+    ok(rl.post("/resume"))
+
+
+def test_pause_keep_freezes_and_continues_unchanged(rl_server: Server, rl: httpx.Client) -> None:
+    reference = ok(generate(rl, [1, 2, 3], max_tokens=16, ignore_eos=True))["choices"][0]
+    stream = Stream(rl_server, [1, 2, 3], max_tokens=16, ignore_eos=True)
+    stream.wait_for_tokens(2)
+    ok(rl.post("/pause", params={"mode": "keep"}))
+    time.sleep(0.3)  # chunks sent before the pause may still be on their way
+    frozen = len(stream.tokens())
+    # A new request queues instead of being refused, and nothing moves while paused.
+    queued = Stream(rl_server, [4, 5, 6], max_tokens=4, ignore_eos=True)
+    time.sleep(0.5)
+    assert len(stream.tokens()) == frozen and not queued.chunks
+    ok(rl.post("/resume"))
+    assert stream.final()["finish_reason"] == "length"
+    assert stream.tokens() == reference["token_ids"]
+    assert stream.final()["weight_versions"] == [{"version": "default", "start": 0, "end": 16}]
+    assert len(queued.tokens()) == 4 and queued.final()["finish_reason"] == "length"
+
+
+def test_training_loop_reload_versions_and_parity(
+    rl_server: Server,
+    rl: httpx.Client,
+    prompt_ids: list[int],
+    base_dir: Path,
+    perturbed_dir: Path,
+) -> None:
+    """generate -> pause(keep, clear_cache) mid-request -> load new weights -> resume."""
+    assert ok(rl.get("/weight_info")) == {"weight_version": "default"}
+    stream = Stream(rl_server, prompt_ids, max_tokens=24, ignore_eos=True)
+    stream.wait_for_tokens(4)
+    ok(rl.post("/pause", params={"mode": "keep", "clear_cache": "true"}))
+    before = len(stream.tokens())
+    loaded = ok(
+        rl.post(
+            "/update_weights", json={"weight_dir": str(perturbed_dir), "weight_version": "step-1"}
+        )
+    )
+    assert loaded == {"success": True, "weight_version": "step-1"}
+    assert ok(rl.get("/weight_info")) == {"weight_version": "step-1"}
+    ok(rl.post("/resume"))
+    final = stream.final()
+    output = stream.tokens()
+    assert final["weight_versions"] == [
+        {"version": "default", "start": 0, "end": before},
+        {"version": "step-1", "start": before, "end": 24},
+    ]
+    # Tokens sampled after the reload recomputed their KV with the new weights: a trainer's
+    # forward with the NEW weights gives the same logprobs.
+    new = raw_logprobs(perturbed_dir, prompt_ids, output)
+    old = raw_logprobs(base_dir, prompt_ids, output)
+    served = stream.logprobs()
+    assert max(abs(a - b) for a, b in zip(served[before:], new[before:], strict=True)) <= 1e-4
+    assert max(abs(a - b) for a, b in zip(served[:before], old[:before], strict=True)) <= 1e-4
+    # A fresh request after the reload: one version, parity with the new weights.
+    fresh = ok(generate(rl, prompt_ids, max_tokens=8, logprobs=0))["choices"][0]
+    assert fresh["weight_versions"] == [{"version": "step-1", "start": 0, "end": 8}]
+    # Every logprob entry is the union of both clients' shapes.
+    entry = fresh["logprobs"]["content"][0]
+    assert entry["token"] == f"token_id:{entry['token_id']}" and entry["rank"] >= 1
+    assert entry["top_logprobs"][0]["token_id"] == entry["token_id"]
+    fresh_lps = [e["logprob"] for e in fresh["logprobs"]["content"]]
+    expected = raw_logprobs(perturbed_dir, prompt_ids, fresh["token_ids"])
+    assert max(abs(a - b) for a, b in zip(fresh_lps, expected, strict=True)) <= 1e-4
+    # Back to the base weights (SGLang's name), so later tests see the original model.
+    restored = ok(
+        rl.post(
+            "/update_weights_from_disk",
+            json={"model_path": str(base_dir), "weight_version": "default"},
+        )
+    )
+    assert restored["success"] is True and restored["num_paused_requests"] == 0
+    assert ok(rl.get("/model_info"))["weight_version"] == "default"
+
+
+def test_bad_weights_are_refused_and_the_old_ones_stay(rl: httpx.Client, tmp_path: Path) -> None:
+    before = ok(generate(rl, [1, 2, 3], max_tokens=6))["choices"][0]["token_ids"]
+    other = prepare("qwen3-tiny")  # another architecture
+    for weight_dir in (str(tmp_path / "missing"), str(tmp_path), str(other)):
+        refused = rl.post("/update_weights", json={"weight_dir": weight_dir})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["message"].startswith("weights not loaded")
+    (tmp_path / "model.safetensors").write_bytes(b"not a checkpoint")
+    assert rl.post("/update_weights", json={"weight_dir": str(tmp_path)}).status_code == 400
+    assert ok(generate(rl, [1, 2, 3], max_tokens=6))["choices"][0]["token_ids"] == before
+    assert ok(rl.get("/weight_info")) == {"weight_version": "default"}
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "kwargs"),
+    [
+        ("post", "/pause", {"params": {"mode": "sometimes"}}),
+        ("post", "/pause", {"params": {"clear_cache": "maybe"}}),
+        ("post", "/sleep", {"params": {"level": 3}}),
+        ("post", "/update_weight_version", {"json": {}}),
+        ("post", "/update_weight_version", {"json": {"new_version": ""}}),
+        ("post", "/update_weights", {"json": {"weights": "/tmp"}}),
+        ("post", "/update_weights_from_disk", {"json": {"model_path": 3}}),
+        ("post", "/pause_generation", {"json": {"mode": "later"}}),
+        ("post", "/abort_requests", {"json": {"request_ids": "all"}}),
+    ],
+)
+def test_control_bad_input_is_a_400(rl: httpx.Client, method: str, path: str, kwargs: dict) -> None:
+    response = getattr(rl, method)(path, **kwargs)
+    assert response.status_code == 400, response.text
+    assert ok(rl.get("/is_paused")) == {"is_paused": False}
+
+
+def test_versions_sleep_and_the_sglang_names(rl_server: Server, rl: httpx.Client) -> None:
+    assert ok(rl.post("/update_weight_version", json={"new_version": "v7"}))["new_version"] == "v7"
+    choice = ok(generate(rl, [1, 2, 3], max_tokens=3))["choices"][0]
+    assert choice["weight_versions"] == [{"version": "v7", "start": 0, "end": 3}]
+    ok(rl.post("/update_weight_version", json={"new_version": "default"}))
+    assert ok(rl.post("/reset_prefix_cache")) == {"success": True}
+    assert ok(rl.get("/get_world_size")) == {"world_size": 1}
+    # Sleep: requests are refused until wake-up.
+    ok(rl.post("/sleep", params={"level": 1}))
+    assert ok(rl.get("/is_sleeping")) == {"is_sleeping": True}
+    assert generate(rl, [1, 2, 3], max_tokens=2).status_code == 503
+    ok(rl.post("/wake_up"))
+    assert ok(rl.get("/is_sleeping")) == {"is_sleeping": False}
+    # SGLang: pause_generation (each mode) and continue_generation.
+    for mode in ("abort", "retract", "in_place"):
+        stream = Stream(rl_server, [1, 2, 3], max_tokens=10, ignore_eos=True)
+        stream.wait_for_tokens(1)
+        paused = ok(rl.post("/pause_generation", json={"mode": mode}))
+        assert paused["status"] == "ok"
+        assert ok(rl.post("/continue_generation", json={}))["status"] == "ok"
+        expected = "abort" if mode == "abort" else "length"
+        assert stream.final()["finish_reason"] == expected
+    # SGLang's abort: one by rid, or all.
+    stream = Stream(rl_server, [1, 2, 3], max_tokens=500, ignore_eos=True)
+    stream.wait_for_tokens(1)
+    assert rl.post("/abort_request", json={"abort_all": True}).status_code == 200
+    assert stream.final()["finish_reason"] == "abort"
+    # vLLM's two abort shapes.
+    assert ok(rl.post("/abort_requests", json={})) == {"status": "aborted", "aborted": 0}
+    assert rl.post("/inference/v1/abort_requests", json={"request_ids": []}).status_code == 200
+
+
+def test_sglang_generate(rl_server: Server, rl: httpx.Client, prompt_ids: list[int]) -> None:
+    body: dict[str, Any] = {
+        "input_ids": prompt_ids,
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+        "return_text_in_logprobs": True,
+        "rid": "sg-1",
+    }
+    data = ok(rl.post("/generate", json=body))
+    meta = data["meta_info"]
+    reference = ok(generate(rl, prompt_ids, max_tokens=5, ignore_eos=True))["choices"][0]
+    assert data["output_ids"] == reference["token_ids"]
+    assert meta["id"] == "sg-1" and meta["prompt_tokens"] == len(prompt_ids)
+    assert meta["completion_tokens"] == 5 and meta["cached_tokens"] == 0
+    assert meta["finish_reason"] == {"type": "length", "length": 5}
+    assert meta["weight_version"] == "default"
+    assert [e[1] for e in meta["output_token_logprobs"]] == data["output_ids"]
+    assert "".join(e[2] for e in meta["output_token_logprobs"]) == data["text"]
+    assert all(len(top) == 2 for top in meta["output_top_logprobs"])
+    # Text in, stop string matched and trimmed; streaming is cumulative.
+    text_body = {
+        "text": "The capital of France is",
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0, "stop": ["ar"]},
+    }
+    whole = ok(rl.post("/generate", json=text_body))
+    assert whole["meta_info"]["finish_reason"] == {"type": "stop", "matched": "ar"}
+    assert "ar" not in whole["text"]
+    with rl.stream("POST", "/generate", json={**text_body, "stream": True}) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+    assert lines[-1] == "data: [DONE]"
+    assert chunks[-1]["text"] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
+    assert all(len(a["output_ids"]) <= len(b["output_ids"]) for a, b in itertools.pairwise(chunks))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"sampling_params": {}},
+        {"text": "a", "input_ids": [1]},
+        {"text": ["a", "b"]},
+        {"input_ids": [[1], [2]]},
+        {"input_ids": [-1]},
+        {"input_ids": [10**9]},
+        {"text": "a", "sampling_params": {"max_new_tokens": 0}},
+        {"text": "a", "sampling_params": {"n": 2}},
+    ],
+)
+def test_sglang_generate_bad_input(rl: httpx.Client, body: dict) -> None:
+    assert rl.post("/generate", json=body).status_code == 400
