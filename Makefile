@@ -31,6 +31,8 @@ bench: install
 	$(PY) bench/bench_render.py
 	$(PY) bench/bench_tokenize.py
 	$(PY) bench/bench_derender.py
+	$(PY) bench/bench_derender_http.py
+	$(PY) bench/bench_gc.py
 	$(PY) bench/bench_generate.py
 	$(PY) bench/bench_media.py
 	$(PY) bench/bench_media_limits.py
