@@ -29,7 +29,7 @@ from tokenwire.api.routes import (
     sglang,
     tokenize,
 )
-from tokenwire.engine.hf import HFEngine
+from tokenwire.engine.factory import create_engine
 from tokenwire.media.prompt import IMAGE_PAD
 from tokenwire.media.service import MediaService
 from tokenwire.model_source import resolve_model_dir
@@ -127,11 +127,14 @@ async def _load_runtime(pipeline: Pipeline, settings: Settings, metrics: Metrics
                 settings.request_template_limits(), tokenizer.special_tokens_map
             )
             await request_templates.start()
-        engine = HFEngine(
+        engine = create_engine(
+            settings.engine,
             model_dir,
             max_model_len=settings.max_model_len,
             max_num_seqs=settings.max_num_seqs,
             device=settings.device,
+            dtype=settings.dtype,
+            extra_args=settings.engine_args,
         )
         await engine.start()
     except asyncio.CancelledError:

@@ -126,7 +126,7 @@ async def derender_chat_chunk(
         "choices": choices,
     }
     if chunk.usage is not None:
-        result["usage"] = chunk.usage
+        result["usage"] = chunk.usage.model_dump()
     return {"chunk": result, "stream_state": stream.dumps()}
 
 

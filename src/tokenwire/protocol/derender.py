@@ -24,12 +24,20 @@ class GenerateChoiceIn(RequestModel):
     stop_reason: Int64 | str | None = None
 
 
+class UsageIn(RequestModel):
+    """Token counts as generate reports them; a streamed derender passes them on."""
+
+    prompt_tokens: NonNegativeInt64
+    completion_tokens: NonNegativeInt64
+    total_tokens: NonNegativeInt64
+
+
 class GenerateResponseIn(RequestModel):
     request_id: str = ""
     model: str | None = None
     created: Int64 | None = None
     choices: list[GenerateChoiceIn] = Field(min_length=1)
-    usage: dict[str, Any] | None = None
+    usage: UsageIn | None = None
 
     @field_validator("choices")
     @classmethod
@@ -45,7 +53,7 @@ class GenerateChunkIn(RequestModel):
 
     request_id: str = ""
     choices: list[GenerateChoiceIn] = Field(default_factory=list)
-    usage: dict[str, Any] | None = None
+    usage: UsageIn | None = None
 
 
 class ChatDerenderRequest(RequestModel):
