@@ -363,7 +363,8 @@ def test_usage_reports_prefix_cached_prompt_tokens(
 ) -> None:
     """vLLM's engine serves a repeated prompt's full KV blocks from its prefix cache and says so
     (``prompt_tokens_details``, as vLLM does); the hf engine keeps no prefix cache."""
-    prompt = [*paris_ids, 1780, 314]  # a prompt no other test sends
+    # A prompt no other test sends, longer than a KV block (128 tokens on vLLM's CPU build).
+    prompt = [*paris_ids * 8, 1780, 314]
     generate(smollm2, prompt, temperature=0, max_tokens=2)
     usage = generate(smollm2, prompt, temperature=0, max_tokens=2)["usage"]
     if SESSION_ENGINE["kind"] == "hf":
