@@ -15,7 +15,7 @@ VLLM_ENV := VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1
 VLLM_TESTS := tests/test_engine_hf.py tests/test_generate.py tests/test_rl_control.py \
 	tests/test_fidelity.py tests/test_openai.py tests/test_router.py
 
-.PHONY: install serve test lint bench install-vllm test-vllm bench-vllm
+.PHONY: install serve test lint bench fuzz load install-vllm test-vllm bench-vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,8 +42,23 @@ bench: install
 	$(PY) bench/bench_render.py
 	$(PY) bench/bench_tokenize.py
 	$(PY) bench/bench_derender.py
+	$(PY) bench/bench_derender_http.py
+	$(PY) bench/bench_gc.py
 	$(PY) bench/bench_generate.py
 	$(PY) bench/bench_media.py
+	$(PY) bench/bench_media_limits.py
+	$(PY) bench/bench_request_templates.py
+
+# Schemathesis against the servers' own OpenAPI documents, many examples with fresh randomness
+# (the suite runs a few, the same each time). FUZZ_EXAMPLES per operation and mode.
+FUZZ_EXAMPLES ?= 100
+fuzz: install
+	TOKENWIRE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -p no:cacheprovider tests/test_schemathesis.py
+
+# Bounded load test on 127.0.0.1 against its own embedded server; exits 1 on any failure.
+LOAD_ARGS ?=
+load: install
+	$(PY) bench/load.py $(LOAD_ARGS)
 
 $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)

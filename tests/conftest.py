@@ -168,7 +168,9 @@ def smollm2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]
 
 @pytest.fixture(scope="session")
 def qwen3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """Qwen3 tokenizer and template with parsers, an API key and trusted request templates."""
+    """Qwen3 tokenizer and template with parsers, an API key and trusted request templates
+    (with tighter time and memory caps than the defaults, so the tests that hit them are quick
+    and light)."""
     args = [
         "--model",
         "qwen3-tiny",
@@ -176,6 +178,10 @@ def qwen3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "qwen3-tiny",
         "qwen3-alias",
         "--trust-request-chat-template",
+        "--request-template-timeout-s",
+        "2",
+        "--request-template-memory-bytes",
+        str(256 * 2**20),
         "--reasoning-parser",
         "qwen3",
         "--tool-call-parser",
@@ -185,6 +191,8 @@ def qwen3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         str(4 * 2**20),
         "--max-model-len",
         "4096",
+        "--request-read-timeout-s",
+        "3",
     ]
     yield from _start(tmp_path_factory, "qwen3", args, api_key=API_KEY)
 

@@ -31,6 +31,7 @@ from tokenwire.assets import llama_cpp_models_dir
 from tokenwire.text.chat_template import (
     ChatTemplate,
     ChatTemplateError,
+    TemplateLimitExceeded,
     load_model_chat_template,
 )
 
@@ -627,6 +628,73 @@ def test_request_template_cannot_reach_python(source: str) -> None:
         return
     for marker in PYTHON_INTERNALS:
         assert marker not in text, (source, text[:300])
+
+
+# ----------------------------------------------------------------- request templates' caps
+
+
+@pytest.mark.parametrize("name", _template_names())
+def test_capped_filters_render_every_template_alike(name: str) -> None:
+    """Request templates get size-capped filters; under the cap they render what they did."""
+    if _ours(name).engine != "minijinja":
+        return
+    capped = ChatTemplate(_source(name), special_tokens=_special_tokens(), max_chars=2**22)
+    extra = TEMPLATE_KWARGS.get(name, {})
+    for case in CASES:
+        try:
+            expected = _tw_render(_ours(name), case, **extra)
+        except ChatTemplateError as exc:
+            with pytest.raises(ChatTemplateError) as info:
+                _tw_render(capped, case, **extra)
+            assert str(info.value) == str(exc)
+            continue
+        assert _tw_render(capped, case, **extra) == expected, (name, case.name)
+
+
+CAPPED_FILTER_USES = [
+    "{{ missing|replace('a', 'b') }}|{{ 'abca'|replace('a', 'X') }}|{{ 'abc'|replace('', '-') }}",
+    "{{ [1, none, true, 1.5, {'a': [1]}, 's']|join(',') }}|{{ range(3)|join }}",
+    "{{ messages[0].nope|join }}|{{ 'abc'|join('-') }}|{{ {'a': 1, 'b': 2}|join(',') }}",
+    "{{ ('a'|safe)|replace('a', '<') }}|{{ '%5s|%-3d|%.2f'|format('x', 7, 1.5) }}",
+    "{{ messages|tojson(indent=2) }}{{ 'a\nb'|indent(2, true) }}{{ messages[0]|tojson }}",
+]
+
+
+@pytest.mark.parametrize("source", CAPPED_FILTER_USES)
+def test_capped_filters_match_the_plain_ones(source: str) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    plain = ChatTemplate(source, special_tokens={})
+    capped = ChatTemplate(source, special_tokens={}, max_chars=4096)
+    assert capped.render(copy.deepcopy(messages)) == plain.render(copy.deepcopy(messages))
+
+
+def test_capped_filters_take_none_as_undefined() -> None:
+    """The one difference (docs/api.md): a Python filter cannot tell ``none`` from undefined."""
+    source = "{{ none|replace('o', '0') }}|{{ missing|replace('o', '0') }}"
+    assert ChatTemplate(source, special_tokens={}).render([{"role": "user"}]) == "N0ne|"
+    capped = ChatTemplate(source, special_tokens={}, max_chars=4096)
+    assert capped.render([{"role": "user"}]) == "|"
+
+
+@pytest.mark.parametrize(
+    ("source", "what"),
+    [
+        ("{{ 'a\nb'|indent(400000000) }}", "indent"),
+        ("{{ ('x' * 1000)|replace('x', 'y' * 100000) }}", "replace"),
+        ("{{ (['y' * 1000000] * 100)|join }}", "join"),
+        ("{{ '%100000000s'|format('x') }}", "format"),
+        ("{{ '%.99999999f'|format(1.5) }}", "format"),
+        ("{{ (['y' * 1000000] * 100)|tojson }}", "tojson"),
+        ("{{ [[1, [2, [3]]]]|tojson(indent=100000000) }}", "tojson"),
+        ("{{ 'x' * 5000000 }}", "5000000 > 4194304 characters"),
+    ],
+)
+def test_caps_refuse_before_building(source: str, what: str) -> None:
+    template = ChatTemplate(source, special_tokens={}, max_chars=2**22)
+    with pytest.raises(TemplateLimitExceeded) as info:
+        template.render([{"role": "user", "content": "hi"}])
+    message = str(info.value)
+    assert what in message and "(--request-template-max-chars)" in message
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

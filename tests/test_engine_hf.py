@@ -941,3 +941,28 @@ def test_vl_rejects_bad_media(
     assert vl_engine.stats().running == 0 and vl_engine.stats().waiting == 0
     assert len(run(collect_mm(vl_engine, "ok", prompt, sp, media)).tokens) == 1
     assert len(run(collect_mm(vl_engine, "ok", [1, 2, 3], sp, None)).tokens) == 1
+
+
+def test_values_beyond_float32_never_fail_the_batch(tiny_engine: HFEngine) -> None:
+    """Sampling values past what the protocol allows reach the engine beside innocent requests:
+    every request finishes normally (the guard the 400s of the protocol stand in front of)."""
+    poison = [
+        SamplingParams(max_tokens=6, temperature=1e308, top_k=5, ignore_eos=True),
+        SamplingParams(max_tokens=6, repetition_penalty=1e308, top_k=5, ignore_eos=True),
+        SamplingParams(max_tokens=6, repetition_penalty=1e-45, top_p=0.5, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.8, top_p=5e-324, ignore_eos=True),
+    ]
+    innocent = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+
+    async def main() -> tuple[list[Result], list[Result]]:
+        alone = await collect(tiny_engine, "alone", [1, 2, 3], innocent)
+        both = await asyncio.gather(
+            *(collect(tiny_engine, f"poison-{i}", [1, 2, 3], p) for i, p in enumerate(poison)),
+            *(collect(tiny_engine, f"innocent-{i}", [1, 2, 3], innocent) for i in range(2)),
+        )
+        return [alone], list(both)
+
+    alone, results = run(main())
+    assert all(r.finish == "length" and len(r.tokens) == 6 for r in results)
+    for r in results[len(poison) :]:
+        assert r.tokens == alone[0].tokens  # greedy neighbours are untouched

@@ -86,6 +86,13 @@ class MediaHandler(BaseHTTPRequestHandler):
             self._send(302, headers={"Location": "/loop"})
         elif path == "/status":
             self._send(int(query["code"]), b"nope")
+        elif path == "/bare":  # a 3xx without Location
+            self._send(int(query["code"]))
+        elif path == "/encoded":
+            body = zlib.compress(b"x" * LIMIT * 100)  # a bomb once decoded
+            self._send(200, body, {"Content-Encoding": query["coding"]})
+        elif path == "/accept":
+            self._send(200, self.headers.get("Accept-Encoding", "").encode())
         elif path == "/big-cl":
             # Claims more than the limit; the connector must refuse before reading the body.
             self.send_response(200)
@@ -581,6 +588,15 @@ def test_redirect_to_another_scheme_is_refused(server: Server, target: str, rule
     assert refused(server.url(f"/redirect?to={target}"), policy).rule == rule
 
 
+@pytest.mark.parametrize("allow_redirects", [False, True])
+@pytest.mark.parametrize("code", [300, 301, 302, 303, 304, 307, 308])
+def test_3xx_without_location(server: Server, code: int, allow_redirects: bool) -> None:
+    policy = MediaPolicy(allow_private_networks=True, allow_redirects=allow_redirects)
+    error = refused(server.url(f"/bare?code={code}"), policy)
+    assert error.rule == Rule.REDIRECT_WITHOUT_LOCATION
+    assert f"answered {code}" in error.message
+
+
 def test_too_many_redirects(server: Server) -> None:
     policy = MediaPolicy(allow_private_networks=True, allow_redirects=True)
     before = len(server.log.requests)
@@ -611,6 +627,17 @@ def test_slow_drip_hits_the_overall_deadline(server: Server) -> None:
     start = time.monotonic()
     assert refused(server.url("/drip"), policy).rule == Rule.TIMED_OUT
     assert time.monotonic() - start < 2.0
+
+
+def test_identity_is_asked_for(server: Server) -> None:
+    assert fetch(server.url("/accept"), LOCAL) == b"identity"
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate", "br", "x-gzip", "identity, deflate"])
+def test_encoded_bodies_are_refused(server: Server, coding: str) -> None:
+    error = refused(server.url(f"/encoded?coding={coding}"), LOCAL)
+    assert error.rule == Rule.ENCODED_BODY
+    assert coding in error.message
 
 
 # -- remote failures ------------------------------------------------------------------------

@@ -25,7 +25,10 @@ PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def rl(rl_server: Server) -> Iterator[httpx.Client]:
+    """The shared RL server, as a fresh one is: running, weights named "default"."""
     with rl_server.client() as client:
+        assert client.post("/resume").status_code == 200
+        assert client.post("/update_weight_version", json={"new_version": "default"}).is_success
         yield client
 
 

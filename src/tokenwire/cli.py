@@ -54,22 +54,24 @@ def _serve(settings) -> int:
     import uvicorn
 
     from tokenwire.api.app import create_app
+    from tokenwire.api.server import GracefulServer, JsonErrorHttpProtocol
 
     logging.basicConfig(
         level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     app = create_app(settings)
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
         loop="uvloop",
-        http="httptools",
+        http=JsonErrorHttpProtocol,
         access_log=False,
         timeout_graceful_shutdown=5,
     )
+    GracefulServer(config, app.state.pipeline, settings.shutdown_timeout_s).run()
     return 0
 
 

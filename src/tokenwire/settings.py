@@ -18,6 +18,7 @@ from tokenwire.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
 
 if TYPE_CHECKING:
     from tokenwire.media.policy import MediaPolicy
+    from tokenwire.text.chat_template import TemplateLimits
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -32,7 +33,13 @@ class Settings:
     chat_template: Path | None = None
     api_key: str | None = None
     trust_request_chat_template: bool = False
+    request_template_workers: int = 2
+    request_template_timeout_s: float = 5.0
+    request_template_max_chars: int = 4 * 2**20
+    request_template_memory_bytes: int = 2**30
     max_request_bytes: int = 64 * 2**20
+    request_read_timeout_s: float = 60.0
+    shutdown_timeout_s: float = 30.0
     log_level: str = "info"
     max_num_seqs: int = 64
     max_n: int = 16
@@ -46,6 +53,8 @@ class Settings:
     media_timeout_s: float = 10.0
     allowed_local_media_path: Path | None = None
     media_cache_bytes: int = 512 * 2**20
+    max_images_per_request: int = 8
+    max_image_pixels_per_request: int = 48 * 2**20
     device: str | None = None
     enable_rl_control: bool = False
     engine: EngineKind = "hf"
@@ -72,6 +81,19 @@ class Settings:
             max_bytes=self.max_media_bytes,
             timeout_s=self.media_timeout_s,
             allowed_local_path=self.allowed_local_media_path,
+            max_images_per_request=self.max_images_per_request,
+            max_image_pixels_per_request=self.max_image_pixels_per_request,
+        )
+
+    def request_template_limits(self) -> TemplateLimits:
+        """The ``--request-template-*`` flags as the template workers' limits."""
+        from tokenwire.text.chat_template import TemplateLimits
+
+        return TemplateLimits(
+            workers=self.request_template_workers,
+            timeout_s=self.request_template_timeout_s,
+            max_chars=self.request_template_max_chars,
+            memory_bytes=self.request_template_memory_bytes,
         )
 
 
@@ -120,7 +142,42 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=_env_bool("trust_request_chat_template"),
     )
+    add(
+        "--request-template-workers",
+        type=int,
+        default=env_or("request_template_workers", d.request_template_workers),
+        help="processes rendering request templates; more requests wait",
+    )
+    add(
+        "--request-template-timeout-s",
+        type=float,
+        default=env_or("request_template_timeout_s", d.request_template_timeout_s),
+    )
+    add(
+        "--request-template-max-chars",
+        type=int,
+        default=env_or("request_template_max_chars", d.request_template_max_chars),
+        help="rendered text and each filter result of a request template",
+    )
+    add(
+        "--request-template-memory-bytes",
+        type=int,
+        default=env_or("request_template_memory_bytes", d.request_template_memory_bytes),
+    )
     add("--max-request-bytes", type=int, default=env_or("max_request_bytes", d.max_request_bytes))
+    add(
+        "--request-read-timeout-s",
+        type=float,
+        default=env_or("request_read_timeout_s", d.request_read_timeout_s),
+        help="a request body must arrive within this many seconds (else 408)",
+    )
+    add(
+        "--shutdown-timeout",
+        dest="shutdown_timeout_s",
+        type=float,
+        default=env_or("shutdown_timeout", d.shutdown_timeout_s),
+        help="on SIGTERM, seconds running requests get to finish before they are aborted",
+    )
     add(
         "--log-level",
         default=env_or("log_level", d.log_level),
@@ -150,6 +207,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--media-timeout-s", type=float, default=env_or("media_timeout_s", d.media_timeout_s))
     add("--allowed-local-media-path", type=Path, default=env_or("allowed_local_media_path", None))
     add("--media-cache-bytes", type=int, default=env_or("media_cache_bytes", d.media_cache_bytes))
+    add(
+        "--max-images-per-request",
+        type=int,
+        default=env_or("max_images_per_request", d.max_images_per_request),
+    )
+    add(
+        "--max-image-pixels-per-request",
+        type=int,
+        default=env_or("max_image_pixels_per_request", d.max_image_pixels_per_request),
+        help="pixels one request may make the server decode (read from image headers first)",
+    )
     add("--device", default=env_or("device", None), help="cpu or cuda (default: cuda if present)")
     add(
         "--enable-rl-control",
@@ -193,10 +261,21 @@ def settings_from_args(args: argparse.Namespace, engine_args: Sequence[str] = ()
         "max_n",
         "max_media_bytes",
         "media_cache_bytes",
+        "max_images_per_request",
+        "max_image_pixels_per_request",
+        "request_template_workers",
+        "request_template_max_chars",
+        "request_template_memory_bytes",
     ):
         if values.get(name) is not None:
             values[name] = int(values[name])
-    values["media_timeout_s"] = float(values["media_timeout_s"])
+    for name in (
+        "media_timeout_s",
+        "request_template_timeout_s",
+        "request_read_timeout_s",
+        "shutdown_timeout_s",
+    ):
+        values[name] = float(values[name])
     for name in ("chat_template", "allowed_local_media_path"):
         if values.get(name) is not None:
             values[name] = Path(values[name])

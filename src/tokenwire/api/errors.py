@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.media.errors import MediaError
@@ -129,7 +130,34 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
         return error_response(exc.status_code, message)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error", exc_info=exc)
-        return error_response(500, "Internal server error")
+
+class UnexpectedErrorMiddleware:
+    """A bug becomes a JSON 500 and the connection stays usable.
+
+    Starlette's own 500 handler re-raises after answering, and uvicorn then closes the
+    connection without ``Connection: close``: a pooled client's next request fails with a
+    reset. Caught here, the exception ends with the response. A stream that already started
+    cannot turn into a 500: its route ends it with an error event (``api.sse``).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("unhandled error", exc_info=exc)
+            await error_response(500, "Internal server error")(scope, receive, send)

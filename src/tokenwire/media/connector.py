@@ -2,9 +2,9 @@
 
 Order of checks for http(s): scheme -> URL shape -> host allow-list -> resolve (ourselves) ->
 every resolved address vetted -> connect to a vetted address only (pinned, see ``pinning``) ->
-status (redirects re-enter the loop, re-checked) -> size before and while reading. One deadline
-bounds the whole fetch. ``data:`` (base64 only) and ``file:`` (only under the allowed folder)
-never touch the network.
+status (redirects re-enter the loop, re-checked) -> identity coding only -> size before and
+while reading. One deadline bounds the whole fetch. ``data:`` (base64 only) and ``file:`` (only
+under the allowed folder) never touch the network.
 """
 
 from __future__ import annotations
@@ -112,9 +112,14 @@ class MediaConnector:
             with self._pins.pinned(host, addresses):
                 try:
                     async with self._client.stream("GET", current) as response:
-                        if not response.is_redirect:
+                        if not response.is_redirect:  # any 3xx, with or without Location
                             return await self._read_body(response)
-                        location = response.headers["location"]
+                        location = response.headers.get("location")
+                        if location is None:
+                            raise MediaRefused(
+                                Rule.REDIRECT_WITHOUT_LOCATION,
+                                f"media host answered {response.status_code}",
+                            )
                 except httpx.InvalidURL:
                     # httpx parses Location itself even with follow_redirects=False.
                     if not self.policy.allow_redirects:
@@ -191,12 +196,17 @@ class MediaConnector:
             )
         if not 200 <= status < 300:
             raise MediaFetchFailed(f"media host answered {status}", remote_status=status)
+        # We ask for identity; a compressed body would be decoded past the size limit (a gzip
+        # bomb), so any other coding is refused, and the raw stream is read without decoders.
+        encoding = response.headers.get("content-encoding", "")
+        if any(c.strip().lower() not in ("", "identity") for c in encoding.split(",")):
+            raise MediaRefused(Rule.ENCODED_BODY, f"Content-Encoding {encoding!r}")
         limit = self.policy.max_bytes
         declared = response.headers.get("content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > limit:
             raise MediaRefused(Rule.TOO_LARGE, f"Content-Length {int(declared)} > {limit} bytes")
         body = bytearray()
-        async for chunk in response.aiter_bytes():
+        async for chunk in response.aiter_raw():
             if len(body) + len(chunk) > limit:
                 raise MediaRefused(Rule.TOO_LARGE, f"more than {limit} bytes")
             body += chunk

@@ -14,10 +14,17 @@ from tokenwire.media.errors import MediaRefused, Rule
 
 # Only formats Pillow decodes itself; notably not EPS (which runs Ghostscript) or exotic plugins.
 IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP", "TIFF")
+# Any one image, whatever the request's pixel budget: the bomb guard.
+MAX_IMAGE_PIXELS = 64_000_000
 
 
-def load_image(data: bytes, *, max_pixels: int = 64_000_000) -> Image.Image:
-    """An RGB image; the size is checked from the header before any pixel is decoded.
+def load_image(data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+    """An RGB image; the size is checked from the header before any pixel is decoded."""
+    return decode_image(open_image(data, max_pixels=max_pixels))
+
+
+def open_image(data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+    """The image's header only: format and size are known (and checked), no pixel is decoded.
 
     Pillow's own global guard (``Image.MAX_IMAGE_PIXELS``) still applies on top; the per-call
     ``max_pixels`` is what this server relies on, so lowering it never needs global state.
@@ -33,6 +40,11 @@ def load_image(data: bytes, *, max_pixels: int = 64_000_000) -> Image.Image:
         raise MediaRefused(Rule.INVALID_IMAGE, "empty image")
     if width * height > max_pixels:
         raise MediaRefused(Rule.IMAGE_TOO_LARGE, f"{width}x{height} > {max_pixels} pixels")
+    return image
+
+
+def decode_image(image: Image.Image) -> Image.Image:
+    """Decode an ``open_image`` result to RGB: the costly step, for a worker thread."""
     try:
         image.load()
         return _to_rgb(image)

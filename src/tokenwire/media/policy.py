@@ -16,6 +16,12 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 MAX_REDIRECTS = 5
 
+DEFAULT_MAX_IMAGES_PER_REQUEST = 8
+# Decoding costs memory per pixel before the processor shrinks an image to the model's size
+# (about 14 bytes a pixel measured): 48 Mi pixels, e.g. four 12-megapixel photos, peak at about
+# 0.65 GiB for one request (bench/bench_media_limits.py).
+DEFAULT_MAX_IMAGE_PIXELS_PER_REQUEST = 48 * 2**20
+
 # NAT64 well-known prefix: 64:ff9b::a.b.c.d reaches a.b.c.d through a translator.
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
 
@@ -25,8 +31,11 @@ class MediaPolicy:
     """Media fetching settings, read once from the ``--*media*`` flags.
 
     ``allowed_domains`` is an exact, case-insensitive host match (``None``: any host);
-    ``max_bytes`` bounds the fetched (decoded) body; ``timeout_s`` is both the connect/read
-    timeout and the deadline for the whole fetch, redirects included.
+    ``max_bytes`` bounds the fetched body; ``timeout_s`` is both the connect/read timeout and
+    the deadline for the whole fetch, redirects included. The per-request limits bound one
+    request's media: ``max_images_per_request`` counts its images (cached or not) and
+    ``max_image_pixels_per_request`` the pixels of the images it makes the server decode (read
+    from the image headers before any pixel is decoded; cached images cost nothing).
     """
 
     allowed_domains: frozenset[str] | None = None
@@ -35,12 +44,18 @@ class MediaPolicy:
     max_bytes: int = 20 * 2**20
     timeout_s: float = 10.0
     allowed_local_path: Path | None = None
+    max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST
+    max_image_pixels_per_request: int = DEFAULT_MAX_IMAGE_PIXELS_PER_REQUEST
 
     def __post_init__(self) -> None:
-        if self.max_bytes <= 0:
-            raise ValueError("max_bytes must be positive")
-        if self.timeout_s <= 0:
-            raise ValueError("timeout_s must be positive")
+        for name in (
+            "max_bytes",
+            "timeout_s",
+            "max_images_per_request",
+            "max_image_pixels_per_request",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
         if self.allowed_domains is not None:
             # Accept any iterable (settings hold a tuple); compare in the form URLs parse to.
             domains = frozenset(normalize_host(d) for d in _as_iterable(self.allowed_domains))

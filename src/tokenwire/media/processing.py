@@ -31,7 +31,7 @@ from PIL import Image
 
 from tokenwire.media.errors import MediaRefused, Rule
 from tokenwire.media.hashing import hash_media_bytes, hash_tensors
-from tokenwire.media.loaders import load_image
+from tokenwire.media.loaders import MAX_IMAGE_PIXELS, load_image
 
 logger = logging.getLogger("tokenwire.media")
 
@@ -153,7 +153,7 @@ class MediaProcessor:
 
     # -- processing ---------------------------------------------------------------------------
 
-    def process_bytes(self, data: bytes, *, max_pixels: int = 64_000_000) -> ProcessedMedia:
+    def process_bytes(self, data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS) -> ProcessedMedia:
         """Decode fetched bytes (``load_image``'s guards) and process; named by the bytes' hash."""
         return self.process_image(load_image(data, max_pixels=max_pixels), hash_media_bytes(data))
 

@@ -7,8 +7,10 @@ all fetch through the same guarded connector and share one cache. Where each che
 - the connector (``media.connector``): every SSRF and size rule, before and while fetching;
 - the loaders and processor (``media.loaders``, ``media.processing``): bombs, bad images,
   client-sent tensors in ``features.kwargs_data``;
-- here: which modalities this model takes, uuid/mm_hash cache look-ups, and that the prompt's
-  image placeholders agree with the images (expanded here, validated for ``features``).
+- here: which modalities this model takes, the per-request limits (how many images; how many
+  pixels to decode, read from the image headers before any decoding), uuid/mm_hash cache
+  look-ups, and that the prompt's image placeholders agree with the images (expanded here,
+  validated for ``features``).
 
 Every failure is a ``MediaError`` (``MediaInputError`` naming the request field where this
 module knows it). Fetching is async and concurrent across a request's parts; decoding and
@@ -18,21 +20,25 @@ processing run in the default thread pool, so the event loop never waits on PIL 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tokenwire.media.connector import MediaConnector
-from tokenwire.media.errors import MediaError, MediaInputError
+from tokenwire.media.errors import MediaError, MediaInputError, Rule
 from tokenwire.media.policy import MediaPolicy
 from tokenwire.media.prompt import IMAGE_PAD, EncodedKwargsCache, PromptMedia, pad_runs
 from tokenwire.media.refs import ContentPartLike, FeaturesLike, MediaRef, content_part_refs
 
 if TYPE_CHECKING:
+    from PIL import Image
+
     from tokenwire.media.cache import MediaCache
     from tokenwire.media.processing import MediaProcessor, ProcessedMedia
 
 NO_MULTIMODAL = "this model takes no multimodal input"
+T = TypeVar("T")
 
 
 class MediaService:
@@ -46,6 +52,7 @@ class MediaService:
     def __init__(
         self,
         *,
+        policy: MediaPolicy,
         connector: MediaConnector | None,
         processor: MediaProcessor | None,
         cache: MediaCache | None,
@@ -53,6 +60,7 @@ class MediaService:
         on_cache_hit: Callable[[], object],
         on_cache_miss: Callable[[], object],
     ) -> None:
+        self.policy = policy
         self.connector = connector
         self.processor = processor
         self.cache = cache
@@ -84,6 +92,7 @@ class MediaService:
         processor = await asyncio.to_thread(MediaProcessor.from_model_dir, model_dir)
         if processor is None:
             return cls(
+                policy=policy,
                 connector=None,
                 processor=None,
                 cache=None,
@@ -97,6 +106,7 @@ class MediaService:
         if pad is None:
             raise ValueError(f"{model_dir}: the model has an image processor but no {IMAGE_PAD}")
         return cls(
+            policy=policy,
             connector=MediaConnector(policy),
             processor=processor,
             cache=MediaCache(cache_bytes),
@@ -112,17 +122,30 @@ class MediaService:
     # -- entry points -------------------------------------------------------------------------
 
     async def resolve(self, refs: Sequence[MediaRef]) -> list[ProcessedMedia]:
-        """Every ref as a processed item, in order; fetched concurrently, cached by content."""
+        """Every ref as a processed item, in order, within the request's media limits.
+
+        Three steps, so that the limits hold before any pixel is decoded: fetch every ref
+        concurrently (or take it from the cache), read each new image's size from its header and
+        check the request's pixel budget, then decode and process the new images in worker
+        threads (identical bytes once).
+        """
+        if not refs:
+            return []
         for ref in refs:
             self._check_modality(ref)
-        if len(refs) == 1:
-            return [await self._resolve_one(refs[0])]
-        try:
-            async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._resolve_one(ref)) for ref in refs]
-        except BaseExceptionGroup as errors:
-            raise _first_client_error(errors) from None
-        return [task.result() for task in tasks]
+        param = refs[0].where.partition("[")[0]
+        self._check_count(len(refs), param)
+        sources = await _all([self._source(ref) for ref in refs])
+        pending = list({s.content_hash: s for s in sources if isinstance(s, _Pending)}.values())
+        self._check_pixels(pending, param)
+        decoded = await _all([self._decoded(p) for p in pending])
+        new = {item.content_hash: item for item in decoded}
+        items = [new[s.content_hash] if isinstance(s, _Pending) else s for s in sources]
+        _, cache, _ = self._require_images()
+        for ref, item in zip(refs, items, strict=True):
+            if ref.uuid is not None:
+                cache.put(item, uuid=ref.uuid)
+        return items
 
     async def prompt_from_content_parts(
         self, token_ids: list[int], parts: Sequence[ContentPartLike]
@@ -159,6 +182,7 @@ class MediaService:
             )
         if not image_hashes:
             return PromptMedia(list(token_ids), (), ())
+        self._check_count(len(image_hashes), "features")
         processor, cache, pad = self._require_images("features")
         items: list[ProcessedMedia] = []
         for index, mm_hash in enumerate(image_hashes):
@@ -234,8 +258,26 @@ class MediaService:
         if ref.modality != "image":
             raise MediaInputError(f"{ref.where}: this model takes no {ref.modality} input")
 
-    async def _resolve_one(self, ref: MediaRef) -> ProcessedMedia:
-        processor, cache, _ = self._require_images()
+    def _check_count(self, count: int, param: str) -> None:
+        limit = self.policy.max_images_per_request
+        if count > limit:
+            raise MediaInputError(
+                f"{Rule.TOO_MANY_IMAGES}: {count} > {limit} (--max-images-per-request)", param
+            )
+
+    def _check_pixels(self, pending: Sequence[_Pending], param: str) -> None:
+        budget = self.policy.max_image_pixels_per_request
+        total = sum(p.pixels for p in pending)
+        if total > budget:
+            raise MediaInputError(
+                f"{Rule.PIXEL_BUDGET}: {total} > {budget} pixels to decode "
+                "(--max-image-pixels-per-request)",
+                param,
+            )
+
+    async def _source(self, ref: MediaRef) -> ProcessedMedia | _Pending:
+        """A cached item, or the fetched image with only its header read."""
+        _, cache, _ = self._require_images()
         if ref.uuid is not None:
             # A uuid names the item (vLLM's contract: unique per content), so a cached one is
             # reused even when a url comes along: rollouts on one image skip the fetch.
@@ -253,31 +295,68 @@ class MediaService:
         assert self.connector is not None  # built with the processor
         try:
             data = await self.connector.fetch(ref.url)
-            item = await asyncio.to_thread(self._process, processor, cache, data)
+            return await asyncio.to_thread(self._open, cache, data, ref)
         except MediaError as exc:
-            raise MediaInputError(
-                f"{exc.message} ({ref.where})", ref.where, status=exc.status
-            ) from None
-        if ref.uuid is not None:
-            cache.put(item, uuid=ref.uuid)
-        return item
+            raise _for_part(exc, ref) from None
 
-    def _process(self, processor: MediaProcessor, cache: MediaCache, data: bytes) -> ProcessedMedia:
-        """Worker thread: the content hash first, so a cached image skips decode and processor."""
+    def _open(self, cache: MediaCache, data: bytes, ref: MediaRef) -> ProcessedMedia | _Pending:
+        """Worker thread: the content hash first, so a cached image is never even opened."""
         from tokenwire.media.hashing import hash_media_bytes
-        from tokenwire.media.loaders import load_image
+        from tokenwire.media.loaders import open_image
 
         content_hash = hash_media_bytes(data)
         cached = cache.get(content_hash)
         self._count(cached is not None)
         if cached is not None:
             return cached
-        item = processor.process_image(load_image(data), content_hash)
+        image = open_image(data)
+        width, height = image.size
+        return _Pending(content_hash, image, width * height, ref)
+
+    async def _decoded(self, pending: _Pending) -> ProcessedMedia:
+        try:
+            return await asyncio.to_thread(self._decode, pending)
+        except MediaError as exc:
+            raise _for_part(exc, pending.ref) from None
+
+    def _decode(self, pending: _Pending) -> ProcessedMedia:
+        """Worker thread: decode and process one new image, and cache it."""
+        from tokenwire.media.loaders import decode_image
+
+        processor, cache, _ = self._require_images()
+        item = processor.process_image(decode_image(pending.image), pending.content_hash)
         cache.put(item)
         return item
 
     def _count(self, hit: bool) -> None:
         (self._on_hit if hit else self._on_miss)()
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A fetched image that is not cached: its header read, no pixel decoded yet."""
+
+    content_hash: str
+    image: Image.Image
+    pixels: int
+    ref: MediaRef  # the first part that named it, for errors
+
+
+async def _all(work: Sequence[Awaitable[T]]) -> list[T]:
+    """Run concurrently; the first client error wins, as one request has one answer."""
+    if len(work) == 1:
+        return [await work[0]]
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(item) for item in work]  # type: ignore[arg-type]
+    except BaseExceptionGroup as errors:
+        raise _first_client_error(errors) from None
+    return [task.result() for task in tasks]
+
+
+def _for_part(exc: MediaError, ref: MediaRef) -> MediaInputError:
+    """A connector or processing failure of one part, naming the part and keeping its status."""
+    return MediaInputError(f"{exc.message} ({ref.where})", ref.where, status=exc.status)
 
 
 def _first_client_error(errors: BaseExceptionGroup) -> BaseException:

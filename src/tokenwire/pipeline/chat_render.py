@@ -18,12 +18,16 @@ import orjson
 
 from tokenwire.media.prompt import PromptMedia
 from tokenwire.media.refs import chat_media_refs
-from tokenwire.pipeline.context import MAX_CACHED_REQUEST_TEMPLATES, ModelRuntime, Pipeline
+from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.offload import run_text_work
 from tokenwire.protocol.chat import ChatMessage, TextPart
 from tokenwire.protocol.tokenize import ChatTemplateOptions
-from tokenwire.text.chat_template import ChatTemplate, ChatTemplateError
+from tokenwire.text.chat_template import (
+    ChatTemplateError,
+    TemplateCompileError,
+    TemplateLimitExceeded,
+)
 
 UNTRUSTED_TEMPLATE = (
     "Chat template is passed with request, but --trust-request-chat-template is not set. "
@@ -69,36 +73,68 @@ async def render_chat(
     """
     refs = chat_media_refs(options.messages)
     items = await runtime.media.resolve(refs) if refs else []
-    size = sum(len(str(message.content or "")) for message in options.messages)
-    rendered = await run_text_work(
-        size, lambda: render_chat_text(pipeline, runtime, options, add_special_tokens)
-    )
+    rendered = await render_chat_text(pipeline, runtime, options, add_special_tokens)
     if not refs:
         return rendered
     prompt = runtime.media.expand(rendered.token_ids, items)
     return RenderedChat(text=rendered.text, token_ids=prompt.token_ids, media=prompt)
 
 
-def render_chat_text(
+async def render_chat_text(
     pipeline: Pipeline,
     runtime: ModelRuntime,
     options: ChatTemplateOptions,
     add_special_tokens: bool,
 ) -> RenderedChat:
     """The template's text and its ids, without media (placeholders stay single tokens)."""
-    template = _template_for(pipeline, runtime, options)
-    kwargs = {
-        key: value
-        for key, value in (options.chat_template_kwargs or {}).items()
-        if key not in RESERVED_TEMPLATE_KWARGS
-    }
-    iterates_content = bool(_ITERATES_CONTENT.search(template.source))
-    messages = [_message_for_template(message, iterates_content) for message in options.messages]
-    tools = (
-        [tool.model_dump(exclude_unset=True) for tool in options.tools] if options.tools else None
+    text = await render_template_text(pipeline, runtime, options)
+    token_ids = await run_text_work(
+        len(text), lambda: runtime.tokenizer.encode(text, add_special_tokens=add_special_tokens)
     )
+    return RenderedChat(text=text, token_ids=token_ids)
+
+
+async def render_template_text(
+    pipeline: Pipeline, runtime: ModelRuntime, options: ChatTemplateOptions
+) -> str:
+    """The chat template's text for ``options`` (messages, tools, flags, template kwargs).
+
+    The server's template renders in-process (in a thread when the messages are large); a
+    request's template in the template worker processes, under their time, memory and output
+    caps, so it can neither stall the event loop nor take the server's memory.
+    """
+    source = _request_template(pipeline, options)
+    if source is None:
+        size = sum(len(str(message.content or "")) for message in options.messages)
+        return await run_text_work(size, lambda: _render_server_template(runtime, options))
+    assert runtime.request_templates is not None  # built whenever request templates are trusted
+    messages, tools, kwargs = _template_inputs(source, options)
     try:
-        text = template.render(
+        return await runtime.request_templates.render(
+            source,
+            messages,
+            tools=tools,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            template_kwargs=kwargs,
+        )
+    except TemplateCompileError as exc:
+        raise InvalidRequest(f"Invalid chat template: {exc}", "chat_template") from exc
+    except TemplateLimitExceeded as exc:
+        raise InvalidRequest(str(exc), "chat_template") from exc
+    except ChatTemplateError as exc:
+        raise InvalidRequest(str(exc), "messages") from exc
+
+
+def _render_server_template(runtime: ModelRuntime, options: ChatTemplateOptions) -> str:
+    template = runtime.chat_template
+    if template is None:
+        raise InvalidRequest(
+            "This model has no chat template; pass --chat-template to the server", "messages"
+        )
+    messages, tools, kwargs = _template_inputs(template.source, options)
+    try:
+        return template.render(
             messages,
             tools=tools,
             add_generation_prompt=options.add_generation_prompt,
@@ -107,41 +143,35 @@ def render_chat_text(
         )
     except ChatTemplateError as exc:
         raise InvalidRequest(str(exc), "messages") from exc
-    token_ids = runtime.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return RenderedChat(text=text, token_ids=token_ids)
 
 
-def _template_for(
-    pipeline: Pipeline, runtime: ModelRuntime, options: ChatTemplateOptions
-) -> ChatTemplate:
+def _request_template(pipeline: Pipeline, options: ChatTemplateOptions) -> str | None:
+    """The request's own template, if it sends one and the server trusts request templates."""
     source = options.chat_template or (options.chat_template_kwargs or {}).get("chat_template")
     if source is None:
-        if runtime.chat_template is None:
-            raise InvalidRequest(
-                "This model has no chat template; pass --chat-template to the server", "messages"
-            )
-        return runtime.chat_template
+        return None
     if not pipeline.config.trust_request_chat_template:
         raise InvalidRequest(UNTRUSTED_TEMPLATE, "chat_template")
     if not isinstance(source, str):
         raise InvalidRequest("chat_template must be a string", "chat_template")
-    cache = pipeline.request_templates
-    template = cache.get(source)
-    if template is None:
-        try:
-            template = ChatTemplate(
-                source,
-                special_tokens=runtime.tokenizer.special_tokens_map,
-                allow_jinja2_fallback=False,
-            )
-        except ChatTemplateError as exc:
-            raise InvalidRequest(f"Invalid chat template: {exc}", "chat_template") from exc
-        cache[source] = template
-        while len(cache) > MAX_CACHED_REQUEST_TEMPLATES:
-            cache.popitem(last=False)
-    else:
-        cache.move_to_end(source)
-    return template
+    return source
+
+
+def _template_inputs(
+    source: str, options: ChatTemplateOptions
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any]]:
+    """Messages, tools and template kwargs as the template ``source`` gets them."""
+    kwargs = {
+        key: value
+        for key, value in (options.chat_template_kwargs or {}).items()
+        if key not in RESERVED_TEMPLATE_KWARGS
+    }
+    iterates_content = bool(_ITERATES_CONTENT.search(source))
+    messages = [_message_for_template(message, iterates_content) for message in options.messages]
+    tools = (
+        [tool.model_dump(exclude_unset=True) for tool in options.tools] if options.tools else None
+    )
+    return messages, tools, kwargs
 
 
 def _message_for_template(message: ChatMessage, iterates_content: bool) -> dict[str, Any]:

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from tokenwire.engine.base import Engine, PauseMode
@@ -15,7 +14,7 @@ from tokenwire.parsers import ReasoningParser, ToolParser, get_reasoning_parser,
 from tokenwire.pipeline.errors import NotReady, UnknownModel
 from tokenwire.pipeline.jobs import JobRegistry
 from tokenwire.settings import Settings
-from tokenwire.text.chat_template import ChatTemplate
+from tokenwire.text.chat_template import ChatTemplate, RequestTemplateWorkers
 from tokenwire.text.token_text import TokenTextDecoder
 from tokenwire.text.tokenizer import Tokenizer
 
@@ -71,6 +70,8 @@ class ModelRuntime:
     media: MediaService
     # Exact token texts and incremental decoding: every path from ids to text goes through it.
     decoder: TokenTextDecoder
+    # The processes request templates render in; None unless --trust-request-chat-template.
+    request_templates: RequestTemplateWorkers | None = None
 
 
 @dataclass(slots=True)
@@ -80,10 +81,6 @@ class ControlState:
     pause_mode: PauseMode | None = None
     sleeping: bool = False
     reloads: int = 0  # numbers the versions of reloads that name none
-
-
-# Request-supplied templates (trusted servers only) compiled once, least recently used out.
-MAX_CACHED_REQUEST_TEMPLATES = 16
 
 
 @dataclass(slots=True)
@@ -96,7 +93,6 @@ class Pipeline:
     load_error: str | None = None
     jobs: JobRegistry = field(default_factory=JobRegistry)
     control: ControlState = field(default_factory=ControlState)
-    request_templates: OrderedDict[str, ChatTemplate] = field(default_factory=OrderedDict)
 
     def ready(self, model: str | None = None) -> ModelRuntime:
         """The loaded model for a request naming ``model`` (missing or empty: the served one)."""

@@ -82,7 +82,7 @@ def logprobs_fragment(step: ChoiceStep) -> orjson.Fragment | None:
 async def derender_chat(pipeline: Pipeline, body: ChatDerenderRequest) -> dict[str, Any]:
     runtime = pipeline.ready(body.model)
     chat = body.chat_request
-    parsing = chat_parsing(pipeline, runtime, chat, body.prompt_token_ids)
+    parsing = await chat_parsing(pipeline, runtime, chat, body.prompt_token_ids)
     options = DecodeOptions.of(chat)
     response = body.generate_response
     choices = []

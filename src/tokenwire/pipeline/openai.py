@@ -162,7 +162,7 @@ async def start_chat_completion(pipeline: Pipeline, body: ChatCompletionRequest)
     runtime = pipeline.ready(body.model)
     prompt = await chat_prompt(pipeline, runtime, body)
     prompt_ids = prompt.rendered.token_ids
-    parsing = chat_parsing(pipeline, runtime, body, prompt_ids)
+    parsing = await chat_parsing(pipeline, runtime, body, prompt_ids)
     media = prompt.rendered.media
     job = start_job(
         pipeline,

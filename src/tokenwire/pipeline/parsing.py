@@ -14,7 +14,7 @@ from tokenwire.protocol.openai import ChatCompletionRequest
 _PROMPT_TAIL_TOKENS = 64
 
 
-def chat_parsing(
+async def chat_parsing(
     pipeline: Pipeline,
     runtime: ModelRuntime,
     chat_request: ChatCompletionRequest | None,
@@ -44,19 +44,18 @@ def chat_parsing(
         reasoning_parser=reasoning,
         tool_parser=config.tool_parser if tools_enabled else None,
         prompt_in_think=reasoning is not None
-        and _prompt_in_think(pipeline, runtime, chat_request, prompt_token_ids),
+        and await _prompt_in_think(pipeline, runtime, chat_request, prompt_token_ids),
     )
 
 
-def _prompt_in_think(
+async def _prompt_in_think(
     pipeline: Pipeline,
     runtime: ModelRuntime,
     chat_request: ChatCompletionRequest,
     prompt_token_ids: Sequence[int] | None,
 ) -> bool:
     if prompt_token_ids is None:
-        prompt_token_ids = render_chat_text(
-            pipeline, runtime, chat_request, add_special_tokens=False
-        ).token_ids
+        rendered = await render_chat_text(pipeline, runtime, chat_request, add_special_tokens=False)
+        prompt_token_ids = rendered.token_ids
     tail = runtime.tokenizer.decode(list(prompt_token_ids[-_PROMPT_TAIL_TOKENS:]))
     return prompt_ends_in_think(tail)

@@ -42,17 +42,33 @@ async def chat_prompt(
     rendered = await render_chat(
         pipeline, runtime, body, add_special_tokens=body.add_special_tokens
     )
+    sampling = chat_sampling(pipeline, runtime, body, rendered.token_ids, param="messages")
+    return ChatPrompt(chat_request_id(body), rendered, sampling)
+
+
+def chat_sampling(
+    pipeline: Pipeline,
+    runtime: ModelRuntime,
+    body: ChatCompletionRequest,
+    token_ids: list[int],
+    *,
+    param: str,
+) -> SamplingParamsModel:
+    """A chat request's sampling params for the prompt ``token_ids`` (checked against it)."""
     sampling = request_sampling(
         runtime,
         body,
-        rendered.token_ids,
+        token_ids,
         max_tokens=body.requested_max_tokens,
         logprobs=body.num_logprobs,
-        param="messages",
+        param=param,
     )
     check_n(pipeline.config, sampling.n)
-    request_id = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-    return ChatPrompt(request_id, rendered, sampling)
+    return sampling
+
+
+def chat_request_id(body: ChatCompletionRequest) -> str:
+    return body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
 
 
 async def completion_prompts(

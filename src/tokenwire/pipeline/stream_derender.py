@@ -26,6 +26,7 @@ from tokenwire.pipeline.decoder import (
 from tokenwire.pipeline.derender import decode_choice
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.parsing import chat_parsing
+from tokenwire.pipeline.validation import check_token_ids
 from tokenwire.protocol.derender import ChatDerenderStreamRequest
 
 STATE_VERSION = 2
@@ -78,6 +79,11 @@ class StreamState:
             raise InvalidRequest(
                 "stream_state names parsers this server does not run", "stream_state"
             )
+        runtime = pipeline.ready()
+        check_token_ids(runtime, sorted(options.stop_token_ids), "stream_state")
+        for state in choices.values():
+            for context in (state.logprob_context, state.text_context):
+                check_token_ids(runtime, [*context.context, *context.held], "stream_state")
         parsing = Parsing(
             reasoning_parser=get_reasoning_parser(reasoning) if reasoning else None,
             tool_parser=get_tool_parser(tool) if tool else None,
@@ -92,7 +98,7 @@ async def derender_chat_chunk(
     runtime = pipeline.ready(body.model)
     if body.stream_state is None:
         chat = body.chat_request
-        parsing = chat_parsing(pipeline, runtime, chat, body.prompt_token_ids)
+        parsing = await chat_parsing(pipeline, runtime, chat, body.prompt_token_ids)
         stream = StreamState(parsing, DecodeOptions.of(chat), {})
     else:
         stream = StreamState.loads(body.stream_state, pipeline)
@@ -120,7 +126,7 @@ async def derender_chat_chunk(
         "choices": choices,
     }
     if chunk.usage is not None:
-        result["usage"] = chunk.usage
+        result["usage"] = chunk.usage.model_dump()
     return {"chunk": result, "stream_state": stream.dumps()}
 
 

@@ -1,20 +1,44 @@
-"""Shared pieces of the wire schema: the error body and the base request model."""
+"""Shared pieces of the wire schema: base request models, bounded number types, the error body.
+
+Request bodies are strict: ``"5"``, ``5.0`` or ``true`` where an integer belongs is a 400, not
+a silently coerced token id. Every integer that can be echoed back is bounded to 64 bits, and
+every sampling value to what float32 sampling can honour, so nothing a client sends can fail
+the serializer or the engine's batch.
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+INT64_MAX = 2**63 - 1
+# Beyond these, float32 logits overflow (inf / NaN) or the value means nothing more.
+MAX_TEMPERATURE = 1e4
+MIN_REPETITION_PENALTY = 1e-4
+MAX_REPETITION_PENALTY = 1e4
+
+Int64 = Annotated[int, Field(ge=-(2**63), le=INT64_MAX)]
+NonNegativeInt64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
+TokenId = NonNegativeInt64
+Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+TopK = Annotated[int, Field(ge=-1, le=INT64_MAX)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)]
 
 
 class RequestModel(BaseModel):
     """Base of every request body: unknown fields are ignored, as vLLM does for OpenAI bodies."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StrictRequestModel(BaseModel):
     """Base of bodies where an unknown field is a client bug worth a 400 (sampling params)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ErrorInfo(BaseModel):

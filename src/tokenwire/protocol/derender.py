@@ -1,67 +1,43 @@
 """/v1/chat/completions/derender and /v1/completions/derender bodies.
 
-The generate response arrives as the client got it from /inference/v1/generate; logprob tokens
-may be ``"token_id:N"`` placeholders or vLLM's integer form ``{token_id, logprob, ...}``.
+The generate response arrives as the client got it from /inference/v1/generate; its logprobs
+are read by ``logprobs_in``.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from tokenwire.protocol.common import RequestModel
-from tokenwire.protocol.openai import MAX_TOP_LOGPROBS, ChatCompletionRequest, CompletionRequest
-
-_PLACEHOLDER = re.compile(r"token_id:(-?\d+)")
-
-
-def _token_id(value: Any) -> Any:
-    """``"token_id:N"`` -> N; other strings are left for the int validator to refuse."""
-    if isinstance(value, str):
-        match = _PLACEHOLDER.fullmatch(value)
-        if match is None:
-            raise ValueError(f"token must be 'token_id:N', got {value[:40]!r}")
-        return int(match.group(1))
-    return value
-
-
-class TopLogprobIn(RequestModel):
-    token_id: Annotated[int, Field(ge=0)]
-    logprob: float
-
-    @model_validator(mode="before")
-    @classmethod
-    def _placeholder(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "token_id" not in data and "token" in data:
-            return {**data, "token_id": _token_id(data["token"])}
-        return data
-
-
-class TokenLogprobIn(TopLogprobIn):
-    top_logprobs: list[TopLogprobIn] = Field(default_factory=list, max_length=MAX_TOP_LOGPROBS)
-
-
-class LogprobsIn(RequestModel):
-    content: list[TokenLogprobIn] | None = None
+from tokenwire.protocol.common import Int64, NonNegativeInt64, RequestModel, TokenId
+from tokenwire.protocol.logprobs_in import LogprobsIn
+from tokenwire.protocol.openai import ChatCompletionRequest, CompletionRequest
 
 
 class GenerateChoiceIn(RequestModel):
-    index: int = Field(default=0, ge=0)
-    token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    index: NonNegativeInt64 = 0
+    token_ids: list[TokenId] | None = None
     logprobs: LogprobsIn | None = None
     finish_reason: str | None = None
     # The stop token id or stop string that ended the choice, as generate reports it.
-    stop_reason: int | str | None = None
+    stop_reason: Int64 | str | None = None
+
+
+class UsageIn(RequestModel):
+    """Token counts as generate reports them; a streamed derender passes them on."""
+
+    prompt_tokens: NonNegativeInt64
+    completion_tokens: NonNegativeInt64
+    total_tokens: NonNegativeInt64
 
 
 class GenerateResponseIn(RequestModel):
     request_id: str = ""
     model: str | None = None
-    created: int | None = None
+    created: Int64 | None = None
     choices: list[GenerateChoiceIn] = Field(min_length=1)
-    usage: dict[str, Any] | None = None
+    usage: UsageIn | None = None
 
     @field_validator("choices")
     @classmethod
@@ -77,15 +53,15 @@ class GenerateChunkIn(RequestModel):
 
     request_id: str = ""
     choices: list[GenerateChoiceIn] = Field(default_factory=list)
-    usage: dict[str, Any] | None = None
+    usage: UsageIn | None = None
 
 
 class ChatDerenderRequest(RequestModel):
     model: str | None = None
     stream: Literal[False] = False
     generate_response: GenerateResponseIn
-    prompt_tokens: int | None = Field(default=None, ge=0)
-    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    prompt_tokens: NonNegativeInt64 | None = None
+    prompt_token_ids: list[TokenId] | None = None
     chat_request: ChatCompletionRequest | None = None
 
 
@@ -94,8 +70,8 @@ class ChatDerenderStreamRequest(RequestModel):
     stream: Literal[True]
     generate_chunk: GenerateChunkIn
     stream_state: str | None = None
-    prompt_tokens: int | None = Field(default=None, ge=0)
-    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    prompt_tokens: NonNegativeInt64 | None = None
+    prompt_token_ids: list[TokenId] | None = None
     chat_request: ChatCompletionRequest | None = None
 
 
@@ -103,8 +79,8 @@ class CompletionDerenderRequest(RequestModel):
     model: str | None = None
     stream: Literal[False] = False
     generate_responses: list[GenerateResponseIn] = Field(min_length=1)
-    prompt_tokens: list[int] | None = None
-    prompt_token_ids: list[list[Annotated[int, Field(ge=0)]] | None] | None = None
+    prompt_tokens: list[NonNegativeInt64] | None = None
+    prompt_token_ids: list[list[TokenId] | None] | None = None
     completion_request: CompletionRequest | None = None
 
     @model_validator(mode="after")

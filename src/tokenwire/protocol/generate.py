@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from tokenwire.protocol.common import RequestModel, StrictRequestModel
+from tokenwire.protocol.common import (
+    Int64,
+    MinP,
+    NonNegativeInt64,
+    Penalty,
+    RepetitionPenalty,
+    RequestModel,
+    StrictRequestModel,
+    Temperature,
+    TokenId,
+    TopK,
+    TopP,
+)
 
 CONTENT_PARTS_AND_FEATURES = "content_parts and features are mutually exclusive"
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
@@ -46,48 +58,48 @@ UNSUPPORTED_FIELDS = (
 class SamplingParamsModel(StrictRequestModel):
     """vLLM's SamplingParams as JSON. Unknown fields are a 400 (a typo must not pass silently)."""
 
-    n: int = Field(default=1, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    seed: int | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    min_tokens: int = Field(default=0, ge=0)
+    n: NonNegativeInt64 = Field(default=1, ge=1)
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    min_p: MinP = 0.0
+    seed: Int64 | None = None
+    max_tokens: NonNegativeInt64 | None = Field(default=None, ge=1)
+    min_tokens: NonNegativeInt64 = 0
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    logprobs: int | None = Field(default=None, ge=-1)
-    prompt_logprobs: int | None = Field(default=None, ge=-1)
+    logprobs: Int64 | None = Field(default=None, ge=-1)
+    prompt_logprobs: Int64 | None = Field(default=None, ge=-1)
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs", "raw", "processed"] = (
         "raw_logprobs"
     )
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: RepetitionPenalty = 1.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
     detokenize: bool = True
     # Accepted for compatibility; see NO_EFFECT_FIELDS.
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    output_kind: int | str | None = None
+    output_kind: Int64 | str | None = None
     flat_logprobs: bool = False
-    routed_experts_prompt_start: int | None = None
+    routed_experts_prompt_start: Int64 | None = None
     return_routed_experts: bool | None = None
     skip_reading_prefix_cache: bool | None = None
     extra_args: dict[str, Any] | None = None
-    truncate_prompt_tokens: int | None = None
-    best_of: int | None = None
+    truncate_prompt_tokens: Int64 | None = None
+    best_of: Int64 | None = None
     repetition_detection: Any = None
-    thinking_token_budget: int | None = None
+    thinking_token_budget: Int64 | None = None
     # Refused when set; see UNSUPPORTED_FIELDS.
     logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[Int64] | None = None
     bad_words: list[str] | None = None
     logits_processors: list[Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_decoding: dict[str, Any] | None = None
-    logprob_token_ids: list[int] | None = None
+    logprob_token_ids: list[Int64] | None = None
 
     @field_validator("seed")
     @classmethod
@@ -138,8 +150,8 @@ class StreamOptions(RequestModel):
 
 
 class PlaceholderRange(RequestModel):
-    offset: int = Field(ge=0)
-    length: int = Field(ge=1)
+    offset: NonNegativeInt64
+    length: NonNegativeInt64 = Field(ge=1)
 
 
 class MultiModalFeatures(RequestModel):
@@ -162,7 +174,7 @@ class ContentPart(RequestModel):
 
 class GenerateRequest(RequestModel):
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex, max_length=256)
-    token_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    token_ids: list[TokenId] = Field(min_length=1)
     sampling_params: SamplingParamsModel
     model: str | None = None
     stream: bool = False
@@ -170,7 +182,7 @@ class GenerateRequest(RequestModel):
     features: MultiModalFeatures | None = None
     content_parts: list[ContentPart] | None = None
     cache_salt: str | None = None
-    priority: int = 0
+    priority: Int64 = 0
     kv_transfer_params: dict[str, Any] | None = None
 
     @model_validator(mode="after")

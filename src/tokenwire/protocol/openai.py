@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from tokenwire.protocol.common import RequestModel
+from tokenwire.protocol.common import (
+    Int64,
+    MinP,
+    NonNegativeInt64,
+    Penalty,
+    RepetitionPenalty,
+    RequestModel,
+    Temperature,
+    TokenId,
+    TopK,
+    TopP,
+)
 from tokenwire.protocol.generate import SamplingParamsModel, StreamOptions
 from tokenwire.protocol.tokenize import ChatTemplateOptions
 
@@ -17,28 +28,28 @@ class SamplingFields(RequestModel):
     """Sampling fields shared by chat and completion requests."""
 
     model: str | None = None
-    n: int = Field(default=1, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    min_tokens: int = Field(default=0, ge=0)
+    n: NonNegativeInt64 = Field(default=1, ge=1)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    seed: Int64 | None = None
+    max_tokens: NonNegativeInt64 | None = Field(default=None, ge=1)
+    min_tokens: NonNegativeInt64 = 0
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    prompt_logprobs: int | None = Field(default=None, ge=-1)
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    prompt_logprobs: Int64 | None = Field(default=None, ge=-1)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
-    priority: int = 0
+    priority: Int64 = 0
     request_id: str | None = None
     logit_bias: dict[str, float] | None = None
 
@@ -75,7 +86,7 @@ class SamplingFields(RequestModel):
 class ChatCompletionRequest(ChatTemplateOptions, SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: NonNegativeInt64 | None = Field(default=None, ge=1)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     add_special_tokens: bool = False
@@ -97,9 +108,7 @@ class ChatCompletionRequest(ChatTemplateOptions, SamplingFields):
         return self
 
 
-Prompt = (
-    str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
-)
+Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
 class CompletionRequest(SamplingFields):

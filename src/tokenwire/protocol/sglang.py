@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
 from pydantic import Field, model_validator
 
-from tokenwire.protocol.common import RequestModel
+from tokenwire.protocol.common import (
+    INT64_MAX,
+    Int64,
+    MinP,
+    NonNegativeInt64,
+    Penalty,
+    RepetitionPenalty,
+    RequestModel,
+    Temperature,
+    TokenId,
+    TopK,
+    TopP,
+)
 from tokenwire.protocol.generate import MAX_LOGPROBS
 
 # SGLang's default when a request names no max_new_tokens.
@@ -14,22 +26,22 @@ DEFAULT_MAX_NEW_TOKENS = 128
 
 
 class SGLangSamplingParams(RequestModel):
-    max_new_tokens: int | None = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1)
-    min_new_tokens: int = Field(default=0, ge=0)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    max_new_tokens: NonNegativeInt64 | None = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1)
+    min_new_tokens: NonNegativeInt64 = 0
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    min_p: MinP = 0.0
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
-    sampling_seed: int | None = None
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    sampling_seed: Int64 | None = None
     n: int = Field(default=1, ge=1, le=1)
 
 
@@ -52,7 +64,7 @@ class SGLangGenerateRequest(RequestModel):
         ):
             raise ValueError("batched prompts are not supported: send one prompt per request")
         if self.input_ids is not None and not all(
-            type(i) is int and i >= 0 for i in self.input_ids
+            type(i) is int and 0 <= i <= INT64_MAX for i in self.input_ids
         ):
-            raise ValueError("input_ids must be non-negative integers")
+            raise ValueError("input_ids must be non-negative 64-bit integers")
         return self

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from pydantic import Discriminator, Field, Tag, model_validator
 
 from tokenwire.protocol.chat import ChatMessage, Tool
-from tokenwire.protocol.common import RequestModel
+from tokenwire.protocol.common import Int64, RequestModel
 
 BOTH_GENERATION_FLAGS = (
     "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
@@ -65,7 +65,7 @@ class TokenizeResponse(RequestModel):
 
 class DetokenizeRequest(RequestModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int64]
 
 
 class DetokenizeResponse(RequestModel):

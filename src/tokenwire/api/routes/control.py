@@ -18,6 +18,18 @@ from tokenwire.protocol.control import (
     UpdateWeightsFromDiskBody,
     UpdateWeightVersionBody,
 )
+from tokenwire.protocol.responses import (
+    IsPausedResponse,
+    IsSleepingResponse,
+    MessageStatusResponse,
+    StatusResponse,
+    SuccessResponse,
+    UpdateWeightsFromDiskResponse,
+    UpdateWeightsResponse,
+    UpdateWeightVersionResponse,
+    WeightInfoResponse,
+    WorldSizeResponse,
+)
 
 router = APIRouter(tags=["rl-control"])
 
@@ -25,41 +37,41 @@ router = APIRouter(tags=["rl-control"])
 _SGLANG_PAUSE = {"abort": ("abort", False), "retract": ("keep", True), "in_place": ("keep", False)}
 
 
-@router.post("/pause")
+@router.post("/pause", response_model=StatusResponse)
 async def pause(request: Request, mode: str = "abort", clear_cache: bool = False) -> Response:
     await control.pause(pipeline_of(request), mode, clear_cache=clear_cache)
     return OrjsonResponse({"status": "paused"})
 
 
-@router.post("/resume")
+@router.post("/resume", response_model=StatusResponse)
 async def resume(request: Request) -> Response:
     await control.resume(pipeline_of(request))
     return OrjsonResponse({"status": "resumed"})
 
 
-@router.get("/is_paused")
+@router.get("/is_paused", response_model=IsPausedResponse)
 async def is_paused(request: Request) -> Response:
     return OrjsonResponse({"is_paused": control.is_paused(pipeline_of(request))})
 
 
-@router.post("/sleep")
+@router.post("/sleep", response_class=Response)
 async def sleep(request: Request, level: int = 1) -> Response:
     await control.sleep(pipeline_of(request), level)
     return Response(status_code=200)
 
 
-@router.post("/wake_up")
+@router.post("/wake_up", response_class=Response)
 async def wake_up(request: Request, tags: str | None = None) -> Response:
     await control.resume(pipeline_of(request))
     return Response(status_code=200)
 
 
-@router.get("/is_sleeping")
+@router.get("/is_sleeping", response_model=IsSleepingResponse)
 async def is_sleeping(request: Request) -> Response:
     return OrjsonResponse({"is_sleeping": pipeline_of(request).control.sleeping})
 
 
-@router.post("/update_weight_version")
+@router.post("/update_weight_version", response_model=UpdateWeightVersionResponse)
 async def update_weight_version(body: UpdateWeightVersionBody, request: Request) -> Response:
     await control.set_weight_version(
         pipeline_of(request), body.new_version, abort_all_requests=body.abort_all_requests
@@ -69,19 +81,19 @@ async def update_weight_version(body: UpdateWeightVersionBody, request: Request)
     )
 
 
-@router.get("/weight_info")
+@router.get("/weight_info", response_model=WeightInfoResponse)
 async def weight_info(request: Request) -> Response:
     engine = pipeline_of(request).ready().engine
     return OrjsonResponse({"weight_version": engine.weight_version})
 
 
-@router.post("/update_weights")
+@router.post("/update_weights", response_model=UpdateWeightsResponse)
 async def update_weights(body: UpdateWeightsBody, request: Request) -> Response:
     version = await control.load_weights(pipeline_of(request), body.weight_dir, body.weight_version)
     return OrjsonResponse({"success": True, "weight_version": version})
 
 
-@router.post("/update_weights_from_disk")
+@router.post("/update_weights_from_disk", response_model=UpdateWeightsFromDiskResponse)
 async def update_weights_from_disk(body: UpdateWeightsFromDiskBody, request: Request) -> Response:
     pipeline = pipeline_of(request)
     version = await control.load_weights(
@@ -99,26 +111,26 @@ async def update_weights_from_disk(body: UpdateWeightsFromDiskBody, request: Req
     )
 
 
-@router.post("/pause_generation")
+@router.post("/pause_generation", response_model=MessageStatusResponse)
 async def pause_generation(body: PauseGenerationBody, request: Request) -> Response:
     mode, clear_cache = _SGLANG_PAUSE[body.mode]
     await control.pause(pipeline_of(request), mode, clear_cache=clear_cache)
     return OrjsonResponse({"message": "Generation paused.", "status": "ok"})
 
 
-@router.post("/continue_generation")
+@router.post("/continue_generation", response_model=MessageStatusResponse)
 async def continue_generation(request: Request) -> Response:
     await control.resume(pipeline_of(request))
     return OrjsonResponse({"message": "Generation continued.", "status": "ok"})
 
 
-@router.post("/reset_prefix_cache")
+@router.post("/reset_prefix_cache", response_model=SuccessResponse)
 async def reset_prefix_cache(request: Request) -> Response:
     success = await pipeline_of(request).ready().engine.reset_prefix_cache()
     return OrjsonResponse({"success": success})
 
 
-@router.get("/get_world_size")
+@router.get("/get_world_size", response_model=WorldSizeResponse)
 async def get_world_size(request: Request) -> Response:
     pipeline_of(request).ready()
     return OrjsonResponse({"world_size": 1})

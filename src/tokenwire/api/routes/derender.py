@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from tokenwire.api.json_body import OrjsonRoute
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import pipeline_of
 from tokenwire.pipeline import derender as derendering
@@ -14,11 +15,20 @@ from tokenwire.protocol.derender import (
     ChatDerenderStreamRequest,
     CompletionDerenderRequest,
 )
+from tokenwire.protocol.responses import (
+    ChatCompletionResponse,
+    ChatDerenderChunk,
+    CompletionResponse,
+)
 
-router = APIRouter(tags=["derender"])
+# Bodies of 32k output ids with top logprobs run to ~20 MB: parsed with orjson.
+router = APIRouter(tags=["derender"], route_class=OrjsonRoute)
 
 
-@router.post("/v1/chat/completions/derender")
+@router.post(
+    "/v1/chat/completions/derender",
+    response_model=ChatCompletionResponse | ChatDerenderChunk,
+)
 async def derender_chat(body: ChatDerenderBody, request: Request) -> Response:
     pipeline = pipeline_of(request)
     if isinstance(body, ChatDerenderStreamRequest):
@@ -26,6 +36,6 @@ async def derender_chat(body: ChatDerenderBody, request: Request) -> Response:
     return OrjsonResponse(await derendering.derender_chat(pipeline, body))
 
 
-@router.post("/v1/completions/derender")
+@router.post("/v1/completions/derender", response_model=CompletionResponse)
 async def derender_completion(body: CompletionDerenderRequest, request: Request) -> Response:
     return OrjsonResponse(await derendering.derender_completion(pipeline_of(request), body))

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from tokenwire.api.disconnect import unless_disconnected
+from tokenwire.api.openapi import MEDIA_ERRORS, streamed
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.sse import sse_response
 from tokenwire.api.state import pipeline_of
@@ -13,11 +14,16 @@ from tokenwire.pipeline import control
 from tokenwire.pipeline import generate as generation
 from tokenwire.protocol.control import AbortRequestsBody, InferenceAbortBody
 from tokenwire.protocol.generate import GenerateRequest
+from tokenwire.protocol.responses import AbortResponse, GenerateChunk, GenerateResponse
 
 router = APIRouter(tags=["generate"])
 
 
-@router.post("/inference/v1/generate")
+@router.post(
+    "/inference/v1/generate",
+    response_model=GenerateResponse,
+    responses={**streamed(GenerateChunk), **MEDIA_ERRORS},
+)
 async def generate(body: GenerateRequest, request: Request) -> Response:
     # The X-Request-Id header wins over the body's request_id.
     request_id = request.headers.get("x-request-id") or body.request_id
@@ -28,14 +34,14 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     return OrjsonResponse(await unless_disconnected(request, run.response()), headers=headers)
 
 
-@router.post("/abort_requests")
+@router.post("/abort_requests", response_model=AbortResponse)
 async def abort_requests(body: AbortRequestsBody, request: Request) -> Response:
     """vLLM's: missing or empty ``request_ids`` aborts every running request."""
     aborted = await control.abort_requests(pipeline_of(request), body.request_ids)
     return OrjsonResponse({"status": "aborted", "aborted": aborted})
 
 
-@router.post("/inference/v1/abort_requests")
+@router.post("/inference/v1/abort_requests", response_class=Response)
 async def inference_abort_requests(body: InferenceAbortBody, request: Request) -> Response:
     if body.request_ids:  # unlike /abort_requests, an empty list aborts nothing
         await control.abort_requests(pipeline_of(request), body.request_ids)

@@ -5,19 +5,20 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter, Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
 from tokenwire import __version__
 from tokenwire.api.errors import error_response
 from tokenwire.api.metrics import Metrics
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import pipeline_of
+from tokenwire.protocol.responses import ModelList, VersionResponse
 
 router = APIRouter(tags=["info"])
 _STARTED = int(time.time())
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request) -> Response:
     pipeline = pipeline_of(request)
     runtime = pipeline.ready()
@@ -37,7 +38,9 @@ async def list_models(request: Request) -> Response:
     return OrjsonResponse({"object": "list", "data": data})
 
 
-@router.get("/health")
+@router.get(
+    "/health", response_class=Response, responses={200: {"description": "Ready (empty body)"}}
+)
 async def health(request: Request) -> Response:
     pipeline = pipeline_of(request)
     if pipeline.shutting_down:
@@ -47,12 +50,12 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/version")
+@router.get("/version", response_model=VersionResponse)
 async def version() -> Response:
     return OrjsonResponse({"version": __version__})
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
     registry: Metrics = request.app.state.metrics
     return Response(registry.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -6,22 +6,34 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from tokenwire.api.disconnect import unless_disconnected
+from tokenwire.api.openapi import MEDIA_ERRORS, streamed
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.sse import sse_response
 from tokenwire.api.state import pipeline_of
 from tokenwire.pipeline.openai import CompletionRun, start_chat_completion, start_completion
 from tokenwire.protocol.openai import ChatCompletionRequest, CompletionRequest
+from tokenwire.protocol.responses import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
+)
 
 router = APIRouter(tags=["openai"])
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletionResponse,
+    responses={**streamed(ChatCompletionChunk), **MEDIA_ERRORS},
+)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     run = await start_chat_completion(pipeline_of(request), body)
     return await _respond(run, request, stream=body.stream)
 
 
-@router.post("/v1/completions")
+@router.post(
+    "/v1/completions", response_model=CompletionResponse, responses=streamed(CompletionResponse)
+)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     run = await start_completion(pipeline_of(request), body)
     return await _respond(run, request, stream=body.stream)

@@ -5,19 +5,21 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from tokenwire.api.openapi import MEDIA_ERRORS
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import pipeline_of
 from tokenwire.pipeline import render as rendering
+from tokenwire.protocol.generate import GenerateRequest
 from tokenwire.protocol.openai import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter(tags=["render"])
 
 
-@router.post("/v1/chat/completions/render")
+@router.post("/v1/chat/completions/render", response_model=GenerateRequest, responses=MEDIA_ERRORS)
 async def render_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     return OrjsonResponse(await rendering.render_chat_request(pipeline_of(request), body))
 
 
-@router.post("/v1/completions/render")
+@router.post("/v1/completions/render", response_model=list[GenerateRequest])
 async def render_completion(body: CompletionRequest, request: Request) -> Response:
     return OrjsonResponse(await rendering.render_completion_request(pipeline_of(request), body))

@@ -7,18 +7,29 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from tokenwire.api.disconnect import unless_disconnected
+from tokenwire.api.openapi import streamed
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.sse import sse_response
 from tokenwire.api.state import pipeline_of
 from tokenwire.pipeline import control
 from tokenwire.pipeline.sglang import start_sglang_generate
 from tokenwire.protocol.control import AbortRequestBody
+from tokenwire.protocol.responses import (
+    GetLoadResponse,
+    ModelInfo,
+    ServerLoadResponse,
+    SGLangGenerateResponse,
+)
 from tokenwire.protocol.sglang import SGLangGenerateRequest
 
 router = APIRouter(tags=["sglang"])
 
 
-@router.post("/generate")
+@router.post(
+    "/generate",
+    response_model=SGLangGenerateResponse,
+    responses=streamed(SGLangGenerateResponse),
+)
 async def generate(body: SGLangGenerateRequest, request: Request) -> Response:
     run = await start_sglang_generate(pipeline_of(request), body)
     if body.stream:
@@ -26,23 +37,23 @@ async def generate(body: SGLangGenerateRequest, request: Request) -> Response:
     return OrjsonResponse(await unless_disconnected(request, run.response()))
 
 
-@router.post("/abort_request")
+@router.post("/abort_request", response_class=Response)
 async def abort_request(body: AbortRequestBody, request: Request) -> Response:
     ids = None if body.abort_all else [body.rid]
     await control.abort_requests(pipeline_of(request), ids)
     return Response(status_code=200)
 
 
-@router.get("/model_info")
+@router.get("/model_info", response_model=ModelInfo)
 async def model_info(request: Request) -> Response:
     return OrjsonResponse(control.model_info(pipeline_of(request)))
 
 
-@router.get("/get_load")
+@router.get("/get_load", response_model=GetLoadResponse)
 async def get_load(request: Request) -> Response:
     return OrjsonResponse({"load": control.load(pipeline_of(request))})
 
 
-@router.get("/load")
+@router.get("/load", response_model=ServerLoadResponse)
 async def load(request: Request) -> Response:
     return OrjsonResponse({"server_load": control.load(pipeline_of(request))})

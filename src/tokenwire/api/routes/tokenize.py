@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from tokenwire.api.openapi import MEDIA_ERRORS
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import pipeline_of
 from tokenwire.pipeline import tokenize as tokenizing
@@ -18,7 +19,7 @@ from tokenwire.protocol.tokenize import (
 router = APIRouter(tags=["tokenize"])
 
 
-@router.post("/tokenize", response_model=TokenizeResponse)
+@router.post("/tokenize", response_model=TokenizeResponse, responses=MEDIA_ERRORS)
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     return OrjsonResponse(await tokenizing.tokenize(pipeline_of(request), body))
 

@@ -133,6 +133,7 @@ def sample(logits: torch.Tensor, rows: list[RowSampler]) -> SampleResult:
         for i, r in enumerate(rows):
             if r.needs_processing:
                 r.apply_penalties(processed[i])
+        processed = finite(processed)
 
     tokens = torch.empty(b, dtype=torch.long, device=device)
     # Per-row distribution that "processed_logprobs" reports; filled only where requested.
@@ -198,8 +199,14 @@ def _sample_rows(
     params = [rows[i].params for i in idx]
     temp = torch.tensor([p.temperature for p in params], device=device)
     draws = [torch.rand(1, generator=rows[i].generator, dtype=torch.float64).item() for i in idx]
+    scaled = finite(processed[torch.tensor(idx, device=device)] / temp.unsqueeze(1))
+    # A row left with no finite logit (only a model producing NaN could do that) samples from
+    # its raw logits instead of failing.
+    dead = (~torch.isfinite(scaled).any(dim=-1)).nonzero().flatten().tolist()
+    for r in dead:
+        scaled[r] = finite(processed[idx[r]].nan_to_num(nan=0.0))
     ctx = _Scaled(
-        logits=processed[torch.tensor(idx, device=device)] / temp.unsqueeze(1),
+        logits=scaled,
         u=torch.tensor(draws, dtype=torch.float64, device=device),
         log_min_p=torch.tensor(
             [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], device=device
@@ -221,6 +228,15 @@ def _sample_rows(
         pending = _sample_candidates(ctx, pending, min(tier, vocab))
     if pending:
         _sample_candidates(ctx, pending, vocab)
+
+
+def finite(logits: torch.Tensor) -> torch.Tensor:
+    """NaN -> -inf (never picked) and +inf -> the largest float: every later step stays defined.
+
+    Request values are bounded so that this never changes anything; it is the guard that keeps
+    a value that slipped through from failing the whole batch.
+    """
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
 
 
 def _top_k(p: SamplingParams, vocab: int) -> int:

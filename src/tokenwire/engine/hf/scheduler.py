@@ -281,15 +281,17 @@ class Scheduler:
         first: bool,
         prompt: list[TokenLogprob | None] | None = None,
     ) -> None:
-        result = self.runner.sample(rows, logits)
+        picks = self._sample(rows, logits, emits)
         self.tokens_generated += len(rows)
-        for i, (req, token) in enumerate(zip(rows, result.token_ids, strict=True)):
+        for i, (req, pick) in enumerate(zip(rows, picks, strict=True)):
+            if pick is None:  # its sampling failed: that request alone has ended
+                continue
+            token, lp = pick
             is_first = not req.output  # a recomputed row has sent its first output already
             req.output.append(token)
             req.last_token = token
             req.finish, stop_reason = self._finish(req, token)
             req.recompute = False
-            lp = result.logprobs[i]
             out = EngineOutput(
                 new_token_ids=[token],
                 logprobs=[lp] if lp is not None else None,
@@ -302,6 +304,30 @@ class Scheduler:
                 if prompt is not None and i == 0:
                     out.prompt_logprobs = prompt
             emits.append((req.sink, out))
+
+    def _sample(
+        self, rows: list[Request], logits: torch.Tensor, emits: Emits
+    ) -> list[tuple[int, TokenLogprob | None] | None]:
+        """One (token, logprob) per row; a row whose sampling fails ends alone.
+
+        The batch is sampled at once; only if that fails is each row retried on its own, so one
+        request's values can never fail the others'.
+        """
+        try:
+            result = self.runner.sample(rows, logits)
+            return list(zip(result.token_ids, result.logprobs, strict=True))
+        except Exception:
+            logger.exception("hf engine: sampling failed; retrying the rows one by one")
+        picks: list[tuple[int, TokenLogprob | None] | None] = []
+        for i, req in enumerate(rows):
+            try:
+                alone = self.runner.sample([req], logits[i : i + 1])
+                picks.append((alone.token_ids[0], alone.logprobs[0]))
+            except Exception as exc:
+                req.finish = "abort"
+                emits.append((req.sink, exc))
+                picks.append(None)
+        return picks
 
     def _finish(self, req: Request, token: int) -> tuple[FinishReason | None, int | None]:
         """Whether ``token`` ends the request, and its stop reason (see ``EngineOutput``).

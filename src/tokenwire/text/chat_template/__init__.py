@@ -15,13 +15,28 @@ and those two globals; this package mirrors each of those so the text (and so th
 identical. A server-configured template MiniJinja cannot render may fall back to that jinja2
 set-up (``engine == "jinja2"``); request templates never do.
 
+Request templates (``--trust-request-chat-template``) render in worker processes with time,
+memory and output caps (``workers``, ``worker``), and their amplifying filters refuse results
+over the output cap (``caps``).
+
 Modules: ``template`` (``ChatTemplate``: context building, engine choice), ``minijinja_env``
-and ``jinja2_env`` (the two environments), ``filters`` (the callables templates get),
-``inputs`` (what may reach a template), ``errors``, ``model_dir`` (a model's own template).
+and ``jinja2_env`` (the two environments), ``filters`` (the callables templates get), ``caps``,
+``workers`` and ``worker`` (request templates), ``inputs`` (what may reach a template),
+``errors``, ``model_dir`` (a model's own template).
 """
 
-from .errors import ChatTemplateError
+from .errors import ChatTemplateError, TemplateLimitExceeded
 from .model_dir import load_model_chat_template
 from .template import DEFAULT_FUEL, ChatTemplate
+from .workers import RequestTemplateWorkers, TemplateCompileError, TemplateLimits
 
-__all__ = ["DEFAULT_FUEL", "ChatTemplate", "ChatTemplateError", "load_model_chat_template"]
+__all__ = [
+    "DEFAULT_FUEL",
+    "ChatTemplate",
+    "ChatTemplateError",
+    "RequestTemplateWorkers",
+    "TemplateCompileError",
+    "TemplateLimitExceeded",
+    "TemplateLimits",
+    "load_model_chat_template",
+]

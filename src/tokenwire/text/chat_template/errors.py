@@ -14,6 +14,14 @@ class ChatTemplateError(ValueError):
     """
 
 
+class TemplateLimitExceeded(ChatTemplateError):
+    """A request template went over one of its caps (output size, time, memory); the message
+    names the cap and its flag."""
+
+
+MEMORY_CAP = "request template over the memory cap (--request-template-memory-bytes)"
+
+
 class TemplateRaised(Exception):
     """What ``raise_exception()`` throws: minijinja passes Python exceptions through unchanged."""
 
@@ -32,6 +40,8 @@ def as_template_error(exc: BaseException) -> ChatTemplateError:
         return ChatTemplateError(str(exc))
     if isinstance(exc, RecursionError):
         return ChatTemplateError("Chat template recursed too deeply.")
+    if isinstance(exc, MemoryError):  # only request templates run under a memory cap
+        return TemplateLimitExceeded(MEMORY_CAP)
     return ChatTemplateError(f"Chat template failed: {type(exc).__name__}: {exc}")
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import minijinja
 
+from .caps import capped_filters
 from .errors import ChatTemplateError, as_template_error, is_panic
 from .filters import (
     float_filter,
@@ -28,10 +29,11 @@ _GENERATION_CLOSE = re.compile(r"\{%(-|\+)?\s*endgeneration\s*(-|\+)?%\}")
 
 
 def compile_minijinja(
-    source: str, fuel: int | None
+    source: str, fuel: int | None, max_chars: int | None = None
 ) -> tuple[Callable[[dict[str, Any]], str] | None, ChatTemplateError | None]:
+    """``max_chars`` (request templates): the amplifying filters refuse results over it."""
     try:
-        env = _minijinja_environment(_strip_generation_tags(source), fuel)
+        env = _minijinja_environment(_strip_generation_tags(source), fuel, max_chars)
     except Exception as exc:  # syntax errors and MiniJinja-unsupported syntax alike
         return None, as_template_error(exc)
     except BaseException as exc:
@@ -42,7 +44,12 @@ def compile_minijinja(
     return (lambda context: render_template(_TEMPLATE_NAME, **context)), None
 
 
-def _minijinja_environment(source: str, fuel: int | None) -> minijinja.Environment:
+def _minijinja_environment(
+    source: str, fuel: int | None, max_chars: int | None
+) -> minijinja.Environment:
+    filters = {"tojson": tojson, "indent": indent, "int": int_filter, "float": float_filter}
+    if max_chars is not None:
+        filters.update(capped_filters(max_chars))
     env = minijinja.Environment(
         debug=False,  # debug errors dump the whole context; messages stay short without it
         fuel=fuel,
@@ -51,7 +58,7 @@ def _minijinja_environment(source: str, fuel: int | None) -> minijinja.Environme
         lstrip_blocks=True,
         keep_trailing_newline=False,
         pycompat=True,  # str/dict methods (.strip(), .items(), ...) like Python
-        filters={"tojson": tojson, "indent": indent, "int": int_filter, "float": float_filter},
+        filters=filters,
         tests={"iterable": is_iterable},
         globals={"raise_exception": raise_exception, "strftime_now": strftime_now},
     )

@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, Literal
 
-from .errors import ChatTemplateError, as_template_error, is_panic
+from .errors import ChatTemplateError, TemplateLimitExceeded, as_template_error, is_panic
 from .filters import FROZEN_NOW
 from .inputs import REASONING_FIELDS, chat_messages, checked_text, exact_builtins, plain
 from .jinja2_env import compile_jinja2, smoke_conversations
@@ -27,7 +27,8 @@ class ChatTemplate:
     ``allow_jinja2_fallback`` (server-configured templates only): when MiniJinja cannot compile
     the template, or renders a few smoke conversations differently from jinja2, use transformers'
     jinja2 sandbox instead and say so in ``engine``. ``fuel`` caps MiniJinja instructions per
-    render (None: no cap).
+    render (None: no cap). ``max_chars`` (request templates) caps the rendered text and each
+    amplifying filter's result (``caps``); going over is a ``TemplateLimitExceeded``.
     """
 
     engine: Literal["minijinja", "jinja2"]
@@ -41,15 +42,17 @@ class ChatTemplate:
         special_tokens: Mapping[str, str],
         allow_jinja2_fallback: bool = False,
         fuel: int | None = DEFAULT_FUEL,
+        max_chars: int | None = None,
     ) -> None:
         if not isinstance(source, str):
             raise ChatTemplateError("Chat template must be a string.")
         self.source = source
+        self.max_chars = max_chars
         self._special_tokens: dict[str, str] = {
             str(key): checked_text(str(value)) for key, value in special_tokens.items()
         }
         self.engine = "minijinja"
-        minijinja_renderer, error = compile_minijinja(source, fuel)
+        minijinja_renderer, error = compile_minijinja(source, fuel, max_chars)
         if allow_jinja2_fallback:
             jinja2_renderer = compile_jinja2(source)
             if jinja2_renderer is not None and (
@@ -111,6 +114,11 @@ class ChatTemplate:
                 template_kwargs,
             )
             rendered = renderer(context)
+            if self.max_chars is not None and len(rendered) > self.max_chars:
+                raise TemplateLimitExceeded(
+                    f"request template over the output cap: {len(rendered)} > {self.max_chars} "
+                    "characters (--request-template-max-chars)"
+                )
             if final_text is not None:
                 rendered = _cut_after_final_message(rendered, final_text)
             return rendered

@@ -1,0 +1,244 @@
+"""The response bodies as the OpenAPI document describes them.
+
+The pipeline builds its answers as plain dicts (orjson writes them; pydantic would cost time on
+large logprob payloads), so these models only document the shapes: the routes name them in the
+OpenAPI document and the schema fuzz test checks every answer against them. Fields clients read
+are typed; open-ended parts (logprobs, tool calls) are left as objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from tokenwire.protocol.generate import GenerateRequest
+
+JsonObject = dict[str, Any]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class WeightVersionSpan(BaseModel):
+    """Output tokens ``start:end`` were sampled with the weights named ``version``."""
+
+    version: str
+    start: int
+    end: int
+
+
+class GenerateChoice(BaseModel):
+    index: int
+    token_ids: list[int]
+    logprobs: JsonObject | None = None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    weight_versions: list[WeightVersionSpan] | None = None
+
+
+class GenerateResponse(BaseModel):
+    request_id: str
+    model: str
+    created: int
+    usage: Usage
+    choices: list[GenerateChoice]
+    prompt_logprobs: list[dict[str, JsonObject] | None] | None = None
+
+
+class GenerateChunk(BaseModel):
+    """One SSE event of a streamed generate: new tokens of one choice, or the usage last."""
+
+    request_id: str
+    choices: list[GenerateChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(BaseModel):
+    """What a streamed chunk adds to the assistant message (the role on the first only)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[JsonObject] | None = None
+
+
+class AssistantMessage(ChatDelta):
+    role: Literal["assistant"]
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: JsonObject | None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: JsonObject | None = None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: JsonObject | None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    """``text_completion``; streamed, each SSE event has this shape (``usage`` on the last)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatDerenderChunk(BaseModel):
+    """A streamed derender step: the chunk, and the state to send with the next one."""
+
+    chunk: ChatCompletionChunk
+    stream_state: str
+
+
+class ExtendResponse(GenerateRequest):
+    """Render's GenerateRequest for the next turn, and whether it starts with the previous ids."""
+
+    extended: bool
+    reason: str | None
+    kept_tokens: int
+
+
+class SGLangMetaInfo(BaseModel):
+    id: str
+    finish_reason: JsonObject | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    weight_version: str | None = None
+    weight_versions: list[WeightVersionSpan] = []
+    output_token_logprobs: list[list[Any]] | None = None
+    output_top_logprobs: list[list[list[Any]]] | None = None
+
+
+class SGLangGenerateResponse(BaseModel):
+    """SGLang's ``/generate``; streamed, each SSE event has this shape, cumulatively."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: SGLangMetaInfo
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class ModelInfo(BaseModel):
+    model_path: str
+    tokenizer_path: str
+    is_generation: bool
+    served_model_name: str
+    weight_version: str
+    max_model_len: int
+
+
+class GetLoadResponse(BaseModel):
+    load: int
+
+
+class ServerLoadResponse(BaseModel):
+    server_load: int
+
+
+class AbortResponse(BaseModel):
+    status: Literal["aborted"]
+    aborted: int
+
+
+class StatusResponse(BaseModel):
+    """``{"status": "paused"}`` and the like."""
+
+    status: str
+
+
+class MessageStatusResponse(BaseModel):
+    message: str
+    status: str
+
+
+class IsPausedResponse(BaseModel):
+    is_paused: bool
+
+
+class IsSleepingResponse(BaseModel):
+    is_sleeping: bool
+
+
+class SuccessResponse(BaseModel):
+    success: bool
+
+
+class WorldSizeResponse(BaseModel):
+    world_size: int
+
+
+class WeightInfoResponse(BaseModel):
+    weight_version: str
+
+
+class UpdateWeightVersionResponse(BaseModel):
+    success: bool
+    new_version: str
+    message: str
+
+
+class UpdateWeightsResponse(BaseModel):
+    success: bool
+    weight_version: str
+
+
+class UpdateWeightsFromDiskResponse(BaseModel):
+    success: bool
+    message: str
+    num_paused_requests: int
