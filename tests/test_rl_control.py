@@ -201,6 +201,7 @@ def test_training_loop_reload_versions_and_parity(
     stream = Stream(rl_server, prompt_ids, max_tokens=24, ignore_eos=True)
     stream.wait_for_tokens(4)
     ok(rl.post("/pause", params={"mode": "keep", "clear_cache": "true"}))
+    time.sleep(0.3)  # chunks sent before the pause may still be on their way
     before = len(stream.tokens())
     loaded = ok(
         rl.post(

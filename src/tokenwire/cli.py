@@ -20,12 +20,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepare.add_argument("name")
     serve = commands.add_parser("serve", help="serve a model over HTTP")
     add_serve_arguments(serve)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
 
     if args.command == "prepare":
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         return _prepare(args.name)
     if args.command == "serve":
-        return _serve(settings_from_args(args))
+        try:
+            settings = settings_from_args(args, unknown)
+        except ValueError as exc:
+            parser.error(str(exc))
+        return _serve(settings)
     parser.print_help()
     return 2
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tokenwire.engine.factory import ENGINE_KINDS, EngineKind
 from tokenwire.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
 
 if TYPE_CHECKING:
@@ -56,6 +57,10 @@ class Settings:
     max_image_pixels_per_request: int = 48 * 2**20
     device: str | None = None
     enable_rl_control: bool = False
+    engine: EngineKind = "hf"
+    dtype: str = "auto"
+    # vLLM engine flags tokenwire does not know, passed through as given (``--engine vllm``).
+    engine_args: tuple[str, ...] = ()
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -220,14 +225,30 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=_env_bool("enable_rl_control"),
         help="serve pause/resume, weight reload and weight version routes",
     )
+    add(
+        "--engine",
+        default=env_or("engine", d.engine),
+        choices=ENGINE_KINDS,
+        help="hf (transformers, CPU/CUDA) or vllm (vLLM's AsyncLLM; other vLLM flags pass through)",
+    )
+    add(
+        "--dtype",
+        default=env_or("dtype", d.dtype),
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and activations (auto: the model's; vLLM's auto is bfloat16 on CPU)",
+    )
 
 
 def _split(value: str | None) -> list[str] | None:
     return value.split(",") if value else None
 
 
-def settings_from_args(args: argparse.Namespace) -> Settings:
+def settings_from_args(args: argparse.Namespace, engine_args: Sequence[str] = ()) -> Settings:
+    """``engine_args``: the flags argparse did not know, for ``--engine vllm`` only."""
     values = {f.name: getattr(args, f.name) for f in fields(Settings) if hasattr(args, f.name)}
+    if engine_args and values.get("engine") != "vllm":
+        raise ValueError(f"unknown arguments {list(engine_args)} (vLLM flags need --engine vllm)")
+    values["engine_args"] = tuple(engine_args)
     for name in ("served_model_name", "allowed_media_domains"):
         if values.get(name) is not None:
             values[name] = tuple(values[name])
@@ -264,4 +285,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def parse_serve_args(argv: Sequence[str] | None = None) -> Settings:
     parser = argparse.ArgumentParser(prog="tokenwire serve")
     add_serve_arguments(parser)
-    return settings_from_args(parser.parse_args(argv))
+    args, unknown = parser.parse_known_args(argv)
+    try:
+        return settings_from_args(args, unknown)
+    except ValueError as exc:
+        parser.error(str(exc))

@@ -89,6 +89,8 @@ class EngineOutput:
     # Sent once, with the first output: None for the first prompt position.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_prompt_tokens: int = 0
+    # Prompt tokens whose KV came from a prefix cache (first output; 0 for engines without one).
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,9 +32,9 @@ from tokenwire.parsers import (
     advance_text,
     new_parse_state,
 )
-from tokenwire.text.logprob_json import chat_logprobs_json_from
+from tokenwire.text.logprob_json import chat_logprobs_json_from, completion_logprobs_from
 from tokenwire.text.token_table import DecodeContext
-from tokenwire.text.token_text import LogprobInput, TokenTextDecoder, json_logprob
+from tokenwire.text.token_text import LogprobInput, TokenTextDecoder
 
 StopReason = int | str | None
 
@@ -252,9 +252,7 @@ class ChoiceDecoder:
                 self.decoder, logprobs, ids, context=state.logprob_context, final=final
             )
         else:  # keep the logprob decoder in step for later chunks that do ask for logprobs
-            state.logprob_context = self.decoder.resolve(
-                ids, context=state.logprob_context, final=final
-            ).context
+            state.logprob_context = self.decoder.advance(ids, state.logprob_context, final=final)
         text_ids = ids[:-1] if self.ends_with_stop_token(ids, finish_reason, stop_reason) else ids
         text = self.text(text_ids, final=final, stop_reason=stop_reason)
         message = advance_text(
@@ -312,21 +310,16 @@ class ChoiceDecoder:
     ) -> dict[str, Any]:
         """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
         state = self.state
-        resolved, state.logprob_context = self.decoder.resolved(
-            logprobs, token_ids, context=state.logprob_context, final=final
+        result, state.logprob_context = completion_logprobs_from(
+            self.decoder,
+            logprobs,
+            token_ids,
+            context=state.logprob_context,
+            final=final,
+            text_offset=state.text_offset,
         )
-        offsets = []
-        for token in resolved:
-            offsets.append(state.text_offset)
-            state.text_offset += len(token.text)
-        return {
-            "tokens": [token.text for token in resolved],
-            "token_logprobs": [json_logprob(token.logprob) for token in resolved],
-            "top_logprobs": [
-                {alt.text: json_logprob(alt.logprob) for alt in token.top} for token in resolved
-            ],
-            "text_offset": offsets,
-        }
+        state.text_offset += sum(map(len, result["tokens"]))
+        return result
 
 
 def _first_stop(text: str, stops: Sequence[str], preferred: StopReason) -> tuple[int, str] | None:

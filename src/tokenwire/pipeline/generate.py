@@ -76,7 +76,11 @@ class Generation:
             "request_id": job.request_id,
             "model": self.pipeline.config.served_name,
             "created": int(time.time()),
-            "usage": usage_json(len(job.prompt_ids), sum(len(r.token_ids) for r in results)),
+            "usage": usage_json(
+                len(job.prompt_ids),
+                sum(len(r.token_ids) for r in results),
+                job.num_cached_tokens,
+            ),
             "choices": [_choice_json(result, num_top) for result in results],
             "prompt_logprobs": prompt_logprobs_json(job.prompt_ids, job.prompt_logprobs),
         }
@@ -126,7 +130,7 @@ class Generation:
             yield {
                 "request_id": job.request_id,
                 "choices": [],
-                "usage": usage_json(prompt_tokens, completion_tokens),
+                "usage": usage_json(prompt_tokens, completion_tokens, job.num_cached_tokens),
             }
 
 

@@ -114,6 +114,8 @@ class GenerationJob:
             [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         )
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        # Prompt tokens the engine served from its prefix cache (vllm engine; hf: 0).
+        self.num_cached_tokens = 0
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Merged deltas of all choices; leaving early aborts whatever still runs."""
@@ -155,6 +157,8 @@ class GenerationJob:
                 async for output in stream:
                     if output.prompt_logprobs is not None and index == 0:
                         self.prompt_logprobs = output.prompt_logprobs
+                    if output.num_cached_tokens and index == 0:
+                        self.num_cached_tokens = output.num_cached_tokens
                     if decoder is not None and output.finish_reason != "abort":
                         output = _cut_at_stop_string(decoder, output)
                     yield output

@@ -99,7 +99,7 @@ class SGLangRun:
             "finish_reason": self.finish_reason,
             "prompt_tokens": len(job.prompt_ids),
             "completion_tokens": len(self.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": job.num_cached_tokens,
             "weight_version": self.spans[-1]["version"] if self.spans else None,
             "weight_versions": self.spans,
         }

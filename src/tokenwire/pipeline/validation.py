@@ -13,6 +13,7 @@ from typing import Any
 from tokenwire.pipeline.context import ModelRuntime, ServingConfig
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.protocol.generate import SamplingParamsModel
+from tokenwire.protocol.logprobs_in import logprob_input
 from tokenwire.protocol.openai import SamplingFields
 from tokenwire.text.token_text import LogprobInput
 
@@ -20,6 +21,8 @@ from tokenwire.text.token_text import LogprobInput
 def check_token_ids(runtime: ModelRuntime, token_ids: Sequence[int], param: str) -> None:
     """Every id inside the vocabulary (schemas already refused negatives)."""
     vocab_size = runtime.vocab_size
+    if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
+        return
     for index, token_id in enumerate(token_ids):
         if not 0 <= token_id < vocab_size:
             raise InvalidRequest(
@@ -91,23 +94,27 @@ def request_sampling(
         raise InvalidRequest(str(exc)) from exc
 
 
-def logprob_columns(entries: Sequence[Any], token_ids: Sequence[int], where: str) -> LogprobInput:
-    """A client's logprob entries (each with token_id, logprob, top_logprobs) as columns."""
-    if len(entries) != len(token_ids):
+def logprob_columns(content: list[Any], token_ids: Sequence[int], where: str) -> LogprobInput:
+    """A client's ``logprobs.content``, one entry per output id, as the decoder's columns."""
+    try:
+        columns = logprob_input(content)
+    except ValueError as exc:
+        raise InvalidRequest(f"{where}: {exc}", "logprobs") from exc
+    entry_ids = columns.token_ids
+    if len(entry_ids) != len(token_ids):
         raise InvalidRequest(
-            f"{where} has {len(entries)} logprob entries for {len(token_ids)} token ids",
+            f"{where} has {len(entry_ids)} logprob entries for {len(token_ids)} token ids",
             "logprobs",
         )
-    for position, (entry, token_id) in enumerate(zip(entries, token_ids, strict=True)):
-        if entry.token_id != token_id:
-            raise InvalidRequest(
-                f"{where}: logprob entry {position} is for token {entry.token_id}, "
-                f"but the token there is {token_id}",
-                "logprobs",
-            )
-    return LogprobInput(
-        token_ids=[entry.token_id for entry in entries],
-        logprobs=[entry.logprob for entry in entries],
-        top_ids=[[top.token_id for top in entry.top_logprobs] for entry in entries],
-        top_logprobs=[[top.logprob for top in entry.top_logprobs] for entry in entries],
-    )
+    if entry_ids != list(token_ids):
+        position, entry_id, token_id = next(
+            (position, a, b)
+            for position, (a, b) in enumerate(zip(entry_ids, token_ids, strict=True))
+            if a != b
+        )
+        raise InvalidRequest(
+            f"{where}: logprob entry {position} is for token {entry_id}, "
+            f"but the token there is {token_id}",
+            "logprobs",
+        )
+    return columns

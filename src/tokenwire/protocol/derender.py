@@ -1,50 +1,18 @@
 """/v1/chat/completions/derender and /v1/completions/derender bodies.
 
-The generate response arrives as the client got it from /inference/v1/generate; logprob tokens
-may be ``"token_id:N"`` placeholders or vLLM's integer form ``{token_id, logprob, ...}``.
+The generate response arrives as the client got it from /inference/v1/generate; its logprobs
+are read by ``logprobs_in``.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from tokenwire.protocol.common import Int64, NonNegativeInt64, RequestModel, TokenId
-from tokenwire.protocol.openai import MAX_TOP_LOGPROBS, ChatCompletionRequest, CompletionRequest
-
-_PLACEHOLDER = re.compile(r"token_id:(-?\d+)")
-
-
-def _token_id(value: Any) -> Any:
-    """``"token_id:N"`` -> N; other strings are left for the int validator to refuse."""
-    if isinstance(value, str):
-        match = _PLACEHOLDER.fullmatch(value)
-        if match is None:
-            raise ValueError(f"token must be 'token_id:N', got {value[:40]!r}")
-        return int(match.group(1))
-    return value
-
-
-class TopLogprobIn(RequestModel):
-    token_id: TokenId
-    logprob: float
-
-    @model_validator(mode="before")
-    @classmethod
-    def _placeholder(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "token_id" not in data and "token" in data:
-            return {**data, "token_id": _token_id(data["token"])}
-        return data
-
-
-class TokenLogprobIn(TopLogprobIn):
-    top_logprobs: list[TopLogprobIn] = Field(default_factory=list, max_length=MAX_TOP_LOGPROBS)
-
-
-class LogprobsIn(RequestModel):
-    content: list[TokenLogprobIn] | None = None
+from tokenwire.protocol.logprobs_in import LogprobsIn
+from tokenwire.protocol.openai import ChatCompletionRequest, CompletionRequest
 
 
 class GenerateChoiceIn(RequestModel):

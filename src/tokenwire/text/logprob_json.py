@@ -1,14 +1,16 @@
-"""The chat ``logprobs`` object (``{"content": [...]}``) as JSON bytes, built fast.
+"""Logprob JSON, built fast: chat's ``{"content": [...]}`` and the legacy completions shape.
 
-Texts come from ``token_text``; this module only writes them. Per-id JSON heads are filled
-lazily once per token table and joined in C with the logprob numbers, which orjson encodes in
-one call per column: no per-entry dicts, which is what makes 32k tokens x 5 alternatives cheap.
-Embed the result with ``orjson.Fragment``.
+Texts come from ``token_text``; this module only writes them. Chat: per-id JSON heads are
+filled lazily once per token table and joined in C with the logprob numbers, which orjson
+encodes in one call per column: no per-entry dicts, which is what makes 32k tokens x 5
+alternatives cheap. Embed the result with ``orjson.Fragment``. Completions: plain lists and
+dicts, each made by one ``map`` over a column (the shape has no per-entry objects to skip).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -18,7 +20,7 @@ import orjson
 from .token_table import CACHE_LIMIT, DecodeContext, TokenizerLike, TokenTable
 from .token_text import RANKS, LogprobInput, Resolution, TokenTextDecoder, json_logprob
 
-__all__ = ["chat_logprobs_json", "chat_logprobs_json_from"]
+__all__ = ["chat_logprobs_json", "chat_logprobs_json_from", "completion_logprobs_from"]
 
 _TOP_OPEN = b',"top_logprobs":['
 _NO_TOP = b',"top_logprobs":[]},'
@@ -253,3 +255,61 @@ def chat_logprobs_json(
     context = decoder.context_from_prompt(prompt_token_ids)
     body, _ = chat_logprobs_json_from(decoder, logprobs, token_ids, context=context, final=final)
     return body
+
+
+def completion_logprobs_from(
+    decoder: TokenTextDecoder,
+    logprobs: LogprobInput,
+    token_ids: Sequence[int] | None = None,
+    *,
+    context: DecodeContext | None = None,
+    final: bool = True,
+    text_offset: int = 0,
+) -> tuple[dict[str, Any], DecodeContext]:
+    """The completions ``logprobs`` object of one chunk, and the decoder state after it.
+
+    ``{"tokens", "token_logprobs", "top_logprobs": [{text: logprob}], "text_offset"}``, the
+    offsets counted from ``text_offset``; alternatives with equal texts share one key (the last
+    logprob wins), as a dict built alternative by alternative would.
+    """
+    width = logprobs.check()
+    logprobs.check_numbers()
+    ids = logprobs.token_ids if token_ids is None else token_ids
+    rows = logprobs.top_ids
+    resolution = decoder.resolve(ids, logprobs.token_ids, rows, context=context, final=final)
+    text = decoder.table.text
+    tokens = list(map(text.__getitem__, logprobs.token_ids))
+    for position, piece in resolution.chosen.items():
+        tokens[position] = piece
+    offsets = list(itertools.accumulate(map(len, tokens), initial=text_offset))
+    offsets.pop()
+    top_logprobs = logprobs.top_logprobs
+    if rows is None or top_logprobs is None:
+        top: list[dict[str, float]] = [{} for _ in tokens]
+    else:
+        text_rows: list[Sequence[str]]
+        if width is None:  # rows of different widths (rare)
+            text_rows = [list(map(text.__getitem__, row)) for row in rows]
+        elif width:  # one lookup sweep, cut into rows in C
+            flat = list(map(text.__getitem__, itertools.chain.from_iterable(rows)))
+            text_rows = list(zip(*[iter(flat)] * width, strict=False))
+        else:
+            text_rows = [()] * len(rows)
+        for key, piece in resolution.top.items():
+            position, rank = divmod(key, RANKS)
+            row = list(text_rows[position])
+            row[rank] = piece
+            text_rows[position] = row
+        if not all(map(math.isfinite, itertools.chain.from_iterable(top_logprobs))):
+            top_logprobs = [list(map(json_logprob, row)) for row in top_logprobs]
+        top = list(map(dict, map(zip, text_rows, top_logprobs)))
+    chosen = logprobs.logprobs
+    if not all(map(math.isfinite, chosen)):
+        chosen = list(map(json_logprob, chosen))
+    result = {
+        "tokens": tokens,
+        "token_logprobs": chosen,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+    return result, resolution.context

@@ -212,6 +212,27 @@ class TokenTextDecoder:
             return self._resolve_bytes(token_ids, chosen_ids, top_ids, context.pending, final)
         return self._resolve_fallback(token_ids, chosen_ids, top_ids, context, final)
 
+    def advance(
+        self, token_ids: Sequence[int], context: DecodeContext, *, final: bool
+    ) -> DecodeContext:
+        """The state ``resolve`` would end in, without resolving any text (a chunk whose
+        logprobs nobody asked for, kept in step for later chunks that do)."""
+        if not self.table.exact:
+            return self.resolve(token_ids, context=context, final=final).context
+        self.table.check_ids(token_ids)
+        if final and token_ids:
+            return DecodeContext()
+        # A pending character is at most 3 bytes, so the last 4 bytes decide it.
+        raw = self.table.raw
+        tail = b""
+        for token_id in reversed(token_ids):
+            tail = raw[token_id] + tail
+            if len(tail) >= 4:
+                break
+        else:
+            tail = context.pending + tail
+        return DecodeContext(pending=pending_after(tail))
+
     # -- byte-level tables ------------------------------------------------------------------
 
     def _resolve_bytes(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from tokenwire.api.json_body import OrjsonRoute
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import pipeline_of
 from tokenwire.pipeline import derender as derendering
@@ -20,7 +21,8 @@ from tokenwire.protocol.responses import (
     CompletionResponse,
 )
 
-router = APIRouter(tags=["derender"])
+# Bodies of 32k output ids with top logprobs run to ~20 MB: parsed with orjson.
+router = APIRouter(tags=["derender"], route_class=OrjsonRoute)
 
 
 @router.post(

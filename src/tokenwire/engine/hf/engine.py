@@ -41,6 +41,7 @@ from tokenwire.engine.hf.handoff import (
 from tokenwire.engine.hf.multimodal import RequestMedia, VisionSpec, check_media
 from tokenwire.engine.hf.runner import ModelRunner
 from tokenwire.engine.hf.scheduler import Scheduler
+from tokenwire.engine.limits import check_request
 
 logger = logging.getLogger(__name__)
 
@@ -186,23 +187,9 @@ class HFEngine:
         """Refuse what the engine cannot serve (``EngineError``); return the checked images."""
         if not self.is_ready():
             raise EngineError("the engine is not running")
-        if not prompt:
-            raise EngineError("the prompt must hold at least one token")
-        if any(not 0 <= t < self.vocab_size for t in prompt):
-            raise EngineError(f"prompt token ids must be in [0, {self.vocab_size})")
-        if len(prompt) > self.max_model_len - 1:
-            raise EngineError(
-                f"the prompt has {len(prompt)} tokens; this model's maximum context length is "
-                f"{self.max_model_len}, which leaves room for at most {self.max_model_len - 1} "
-                "prompt tokens"
-            )
-        if sampling.max_tokens < 1:
-            raise EngineError("max_tokens must be at least 1")
-        if len(prompt) + sampling.max_tokens > self.max_model_len:
-            raise EngineError(
-                f"the prompt ({len(prompt)} tokens) plus max_tokens ({sampling.max_tokens}) "
-                f"exceeds this model's maximum context length of {self.max_model_len} tokens"
-            )
+        check_request(
+            prompt, sampling, vocab_size=self.vocab_size, max_model_len=self.max_model_len
+        )
         if media is None:
             return None
         if self.vision is None:

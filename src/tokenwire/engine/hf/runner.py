@@ -7,6 +7,7 @@ method runs on the engine thread, under the scheduler's ``torch.inference_mode``
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,7 @@ class ModelRunner:
         self.model: Any = None
         self.cache: PaddedBatchCache | None = None
         self._num_layers = 0
+        self._cache_kwarg = "cache"
 
     def load(self) -> None:
         """Load the weights, read vocab size and eos ids, and warm up."""
@@ -100,6 +102,9 @@ class ModelRunner:
         eos_list = eos if isinstance(eos, list | tuple) else [eos]
         self.eos_token_ids = tuple(int(e) for e in eos_list if e is not None)
         self.model = model
+        # transformers 5.24 renamed the forward's past_key_values to cache; .venv-vllm has 5.19.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._num_layers = int(text_config.num_hidden_layers)
         self.reset_cache()
         self._warm_up()
@@ -227,7 +232,7 @@ class ModelRunner:
             "input_ids": ids,
             "attention_mask": mask,
             "position_ids": positions,
-            "cache": cache,
+            self._cache_kwarg: cache,
             "use_cache": True,
             **prefill_media_kwargs([r.media for r in group], self.device, self.dtype),
         }
@@ -266,9 +271,9 @@ class ModelRunner:
             input_ids=ids,
             attention_mask=attention_mask,
             position_ids=positions,
-            cache=cache,
             use_cache=True,
             logits_to_keep=1,
+            **{self._cache_kwarg: cache},
         )
         cache.commit(1)
         return out.logits[:, -1].float()

@@ -1,0 +1,46 @@
+"""Building the engine ``--engine`` names; each kind is imported only when chosen."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+from tokenwire.engine.base import Engine
+
+EngineKind = Literal["hf", "vllm"]
+ENGINE_KINDS: tuple[EngineKind, ...] = ("hf", "vllm")
+
+
+def create_engine(
+    kind: EngineKind,
+    model_dir: Path,
+    *,
+    max_model_len: int | None,
+    max_num_seqs: int,
+    device: str | None = None,
+    dtype: str | None = None,
+    extra_args: Sequence[str] = (),
+) -> Engine:
+    """An unstarted engine of ``kind``; ``extra_args`` are vLLM engine flags (vllm only)."""
+    if kind == "vllm":
+        from tokenwire.engine.vllm import VLLMEngine
+
+        return VLLMEngine(
+            model_dir,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            dtype=dtype,
+            extra_args=extra_args,
+        )
+    if extra_args:
+        raise ValueError(f"engine arguments {list(extra_args)} need --engine vllm")
+    from tokenwire.engine.hf import HFEngine
+
+    return HFEngine(
+        model_dir,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        device=device,
+        dtype=dtype,
+    )

