@@ -24,9 +24,11 @@ HOSTILE = {
         OUTPUT_CAP,
     ),
     "indent": ('{{ "a\\nb"|indent(400000000) }}', OUTPUT_CAP),
-    # Concatenation is one instruction however long the strings: only the clock stops it.
-    "concat": (
-        '{% set s = "x" * 50000000 %}{% for i in range(1000) %}{% set t = s ~ "a" %}'
+    # A filter call is a few instructions of fuel however much work it does (MiniJinja charges
+    # its own string operations by length, so a loop of ``~`` runs out of fuel in ~1 s on a quiet
+    # machine): this one burns ~17 s of CPU before the fuel ends, so only the clock stops it.
+    "slow": (
+        '{% set s = "x\\n" * 500000 %}{% for i in range(10000) %}{% set t = s|indent(2) %}'
         "{% endfor %}{{ 1 }}",
         "over the time cap of 2 s (--request-template-timeout-s)",
     ),
@@ -113,7 +115,7 @@ def test_extend_renders_the_request_template_under_the_caps(qwen3: httpx.Client)
 
 def test_a_worker_abandoned_mid_render_is_replaced(qwen3_server: Server) -> None:
     with qwen3_server.client() as client, pytest.raises(httpx.TimeoutException):
-        tokenize(client, HOSTILE["concat"][0], timeout=0.3)
+        tokenize(client, HOSTILE["slow"][0], timeout=0.3)
     with qwen3_server.client() as client:
         for _ in range(3):  # more than the workers: each one answers
             response = tokenize(client, ECHO, add_special_tokens=False)
