@@ -179,7 +179,9 @@ def qwen3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "qwen3-alias",
         "--trust-request-chat-template",
         "--request-template-timeout-s",
-        "2",
+        # Wall time: the memory-cap template needs ~0.2 s of CPU, which took over 2 s on a
+        # machine with a load average of 11.
+        "5",
         "--request-template-memory-bytes",
         str(256 * 2**20),
         "--reasoning-parser",

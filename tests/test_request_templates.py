@@ -1,6 +1,6 @@
 """Hostile request chat templates on the real qwen3 server (issue 9, item 5).
 
-The server trusts request templates and renders them in worker processes with a 2 s time cap,
+The server trusts request templates and renders them in worker processes with a 5 s time cap,
 a 256 MiB memory cap and the default 4 Mi-character output cap (conftest). Each kind of
 amplification must end in a 400 naming its cap while innocent requests keep being answered.
 """
@@ -26,11 +26,11 @@ HOSTILE = {
     "indent": ('{{ "a\\nb"|indent(400000000) }}', OUTPUT_CAP),
     # A filter call is a few instructions of fuel however much work it does (MiniJinja charges
     # its own string operations by length, so a loop of ``~`` runs out of fuel in ~1 s on a quiet
-    # machine): this one burns ~17 s of CPU before the fuel ends, so only the clock stops it.
+    # machine): this one burns ~45 s of CPU before the fuel ends, so only the clock stops it.
     "slow": (
-        '{% set s = "x\\n" * 500000 %}{% for i in range(10000) %}{% set t = s|indent(2) %}'
+        '{% set s = "\\n" * 1000000 %}{% for i in range(100000) %}{% set t = s|indent(1) %}'
         "{% endfor %}{{ 1 }}",
-        "over the time cap of 2 s (--request-template-timeout-s)",
+        "over the time cap of 5 s (--request-template-timeout-s)",
     ),
     "memory": (
         '{% set a = "x" * 100000000 %}{% set b = a ~ a %}{% set c = b ~ b %}{{ 1 }}',
