@@ -204,11 +204,15 @@ def test_n_choices_and_stop_controls(smollm2: httpx.Client, paris_ids: list[int]
     assert len(cut["token_ids"]) < len(greedy)
 
 
-def engine_running(client: httpx.Client) -> float:
+def engine_gauge(client: httpx.Client, name: str) -> float:
     for line in client.get("/metrics").text.splitlines():
-        if line.startswith("tokenwire_engine_running_requests "):
+        if line.startswith(f"tokenwire_engine_{name} "):
             return float(line.split()[1])
-    raise AssertionError("no engine gauge in /metrics")
+    raise AssertionError(f"no engine gauge {name} in /metrics")
+
+
+def engine_running(client: httpx.Client) -> float:
+    return engine_gauge(client, "running_requests")
 
 
 def wait_until_idle(client: httpx.Client) -> None:
@@ -234,6 +238,29 @@ def test_disconnect_frees_the_engine_slot(smollm2_server, paris_ids: list[int]) 
             assert engine_running(client) == 1
         # Leaving the block closed the connection mid-stream.
         wait_until_idle(client)
+
+
+def test_idle_engine_frees_its_kv_buffers(smollm2_server, paris_ids: list[int]) -> None:
+    """The running batch's KV buffers are sized for its peak; an idle engine gives them back."""
+    body = {
+        "token_ids": paris_ids,
+        "stream": True,
+        "sampling_params": {"max_tokens": 64, "ignore_eos": True, "temperature": 0},
+    }
+    with smollm2_server.client() as client:
+        with client.stream("POST", "/inference/v1/generate", json=body) as response:
+            events = []
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    if len(events) == 1:  # mid-generation: the batch holds its buffers
+                        assert engine_gauge(client, "kv_cache_bytes") > 0
+        assert events[-1] == "data: [DONE]"
+        wait_until_idle(client)
+        deadline = time.monotonic() + 30
+        while engine_gauge(client, "kv_cache_bytes") != 0:
+            assert time.monotonic() < deadline, "the idle engine kept its KV buffers"
+            time.sleep(0.05)
 
 
 def test_abort_by_id_keeps_partial_tokens(smollm2: httpx.Client, paris_ids: list[int]) -> None:

@@ -178,7 +178,11 @@ class HFEngine:
             running=s.num_running,
             waiting=s.num_waiting,
             max_num_seqs=self.max_num_seqs,
-            extra={"steps": s.steps, "tokens_generated": s.tokens_generated},
+            extra={
+                "steps": s.steps,
+                "tokens_generated": s.tokens_generated,
+                "kv_cache_bytes": s.kv_cache_bytes,
+            },
         )
 
     def _validate(

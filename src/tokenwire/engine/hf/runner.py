@@ -16,6 +16,7 @@ import torch
 
 from tokenwire.engine.base import EngineError, TokenLogprob, WeightsError
 from tokenwire.engine.hf.handoff import Request
+from tokenwire.engine.hf.host_memory import return_free_heap_to_os
 from tokenwire.engine.hf.kv_cache import PaddedBatchCache
 from tokenwire.engine.hf.mrope import prefill_positions
 from tokenwire.engine.hf.multimodal import RequestMedia, VisionSpec, prefill_media_kwargs
@@ -135,8 +136,15 @@ class ModelRunner:
                 params[name].copy_(tensor)
 
     def reset_cache(self) -> None:
-        """An empty running cache (at load, and after a failed decode step)."""
+        """An empty running cache (at load, after a failed decode step, when the batch empties)."""
+        if self.cache is not None:
+            self.cache.release()
         self.cache = PaddedBatchCache(self._num_layers, self.device)
+
+    def release_idle_memory(self) -> None:
+        """Free the batch's KV buffers (sized for its peak) and the allocator's free pages."""
+        self.reset_cache()
+        return_free_heap_to_os()
 
     def _warm_up(self) -> None:
         """One tiny prefill + decode so the first request does not pay for lazy init."""

@@ -50,8 +50,8 @@ MAX_PREFILL_TOKENS = 4096
 class Scheduler:
     """Runs steps until told to stop; all its state belongs to the engine thread.
 
-    ``num_running``, ``num_waiting``, ``steps`` and ``tokens_generated`` are published for
-    ``stats()`` as plain ints (atomic reads from the event loop).
+    ``num_running``, ``num_waiting``, ``steps``, ``tokens_generated`` and ``kv_cache_bytes``
+    are published for ``stats()`` as plain ints (atomic reads from the event loop).
     """
 
     def __init__(
@@ -74,11 +74,14 @@ class Scheduler:
         # A "wait" pause answered once the requests in flight have finished.
         self._drain_reply: Reply | None = None
         self._drain_count = 0
+        # Set by a prefill; the busy -> idle edge then frees what the peak batch held.
+        self._memory_to_release = False
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self.num_running = 0
         self.num_waiting = 0
         self.steps = 0
         self.tokens_generated = 0
+        self.kv_cache_bytes = 0
 
     def run(self) -> None:
         """Step until a ``Stop`` arrives, then end every stream, late arrivals included."""
@@ -86,12 +89,17 @@ class Scheduler:
             while not self.stopping:
                 emits: Emits = []
                 idle = self.paused or not (self.running or self.waiting)
+                if idle and self._memory_to_release and not self.running:
+                    self.runner.release_idle_memory()
+                    self._memory_to_release = False
+                    self._publish()
                 self._drain_inbox(emits, block=idle)
                 if self.stopping:
                     self._abort_all(emits)
                 elif self.paused:
                     pass
                 elif self.waiting and len(self.running) < self.max_num_seqs:
+                    self._memory_to_release = True
                     try:
                         self._prefill_step(emits)
                     except Exception as exc:  # only the group fails; the running cache is intact
@@ -230,6 +238,8 @@ class Scheduler:
     def _publish(self) -> None:
         self.num_running = len(self.running)
         self.num_waiting = len(self.waiting)
+        cache = self.runner.cache
+        self.kv_cache_bytes = cache.nbytes if cache is not None else 0
 
     def _next_group(self) -> list[Request]:
         """FIFO requests for one prefill forward, within free slots and the token budget."""
