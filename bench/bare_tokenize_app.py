@@ -1,8 +1,10 @@
 """Baselines for bench_tokenize: uvicorn (uvloop + httptools) and a tokenizer, nothing else.
 
-``raw``: a plain ASGI callable. ``fastapi``: one FastAPI route (the framework tokenwire is
-built on) that parses the body and calls the tokenizer: what remains above it is tokenwire's own
-cost (validation, auth, metrics, request ids, error mapping).
+``raw``: a plain ASGI callable; its ``/echo`` answers a POSTed JSON body with itself (parsed
+and serialised again: the floor of one JSON call over HTTP, for bench_derender_http).
+``fastapi``: one FastAPI route (the framework tokenwire is built on) that parses the body and
+calls the tokenizer: what remains above it is tokenwire's own cost (validation, auth, metrics,
+request ids, error mapping).
 
 Run: ``python bench/bare_tokenize_app.py MODEL_DIR PORT raw|fastapi``.
 """
@@ -33,8 +35,11 @@ async def raw_app(scope, receive, send) -> None:
         message = await receive()
         body += message.get("body", b"")
         more = message.get("more_body", False)
-    ids = tokenizer.encode(orjson.loads(body)["prompt"]).ids
-    payload = orjson.dumps({"count": len(ids), "tokens": ids})
+    if scope["path"] == "/echo":
+        payload = orjson.dumps(orjson.loads(body))
+    else:
+        ids = tokenizer.encode(orjson.loads(body)["prompt"]).ids
+        payload = orjson.dumps({"count": len(ids), "tokens": ids})
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(payload)).encode()),

@@ -11,7 +11,10 @@ Floor, in this process with transformers loaded, start-up heap frozen and the co
 /proc against the floor's CPU) is shown too: other jobs on a shared machine move it less than
 wall time. Streaming: the same ids through the streaming chat
 derender in 64-token chunks (the client carries ``stream_state``), server CPU against the
-one-shot chat derender; target at most 2x.
+one-shot chat derender; target at most 2x. Beside it, the floor of one HTTP call: the same
+chunk bodies POSTed to a bare uvicorn ASGI app that parses each and echoes it back
+(``bare_tokenize_app.py``). And /health latency (polled back to back by a second client) while
+the server derenders the top-5 bodies, against an idle server.
 
 Run: ``python bench/bench_derender_http.py [--repeat R] [--tokens N]``.
 """
@@ -25,6 +28,7 @@ import os
 import random
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -172,6 +176,50 @@ def run_stream(client: Client, chunks: list[tuple[dict[str, Any], bool]]) -> lis
     return walls
 
 
+def stream_floor(chunks: list[tuple[dict[str, Any], bool]], model_dir: Path, repeat: int) -> float:
+    """Server CPU seconds of the chunk bodies POSTed to a bare uvicorn app that echoes them
+    (median of ``repeat`` passes)."""
+    port = free_port()
+    app = str(Path(__file__).parent / "bare_tokenize_app.py")
+    server = ServerProcess([sys.executable, app, str(model_dir), str(port), "raw"], port)
+    try:
+        client = Client(server.url)
+        state = "x" * 600  # about the size of a real stream_state
+        bodies = [
+            orjson.dumps({"stream": True, "generate_chunk": chunk, "stream_state": state})
+            for chunk, _ in chunks
+        ]
+        client.post("/echo", bodies[0])
+        passes = []
+        for _ in range(repeat):
+            cpu = cpu_seconds(server.process.pid)
+            for body in bodies:
+                client.post("/echo", body)
+            passes.append(cpu_seconds(server.process.pid) - cpu)
+        return statistics.median(passes)
+    finally:
+        server.stop()
+
+
+def health_latencies(url: str, work: list[tuple[str, bytes]]) -> list[float]:
+    """Wall seconds of back-to-back GET /health while another client POSTs ``work`` (200 of
+    them when there is none)."""
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=600)
+    busy = Client(url)
+    thread = threading.Thread(target=lambda: [busy.post(path, body) for path, body in work])
+    thread.start()
+    latencies: list[float] = []
+    while thread.is_alive() or (not work and len(latencies) < 200):
+        started = time.perf_counter()
+        connection.request("GET", "/health")
+        connection.getresponse().read()
+        latencies.append(time.perf_counter() - started)
+    thread.join()
+    connection.close()
+    return latencies
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=32768)
@@ -199,7 +247,9 @@ def main() -> None:
     rows: dict[tuple[str, str], Samples] = {}
     sizes: dict[str, int] = {}
     stream_rows = []
+    health: dict[str, list[float]] = {}
     try:
+        health["idle"] = health_latencies(server.url, [])
         for mode, (num_top, batch) in MODES.items():
             logprobs = None if num_top is None else generate_logprobs(ids, len(tokenizer), num_top)
             response = {"request_id": "b", "choices": [choice(ids, logprobs, "length")]}
@@ -220,6 +270,9 @@ def main() -> None:
                     samples.floor_cpu.append(result[3])
                     samples.response_bytes = result[4]
 
+            if mode == "top 5":
+                work = [*bodies.items()] * 3
+                health["during top-5 derenders"] = health_latencies(server.url, work)
             chunks = stream_bodies(ids, logprobs)
             one_cpu, stream_cpu, stream_wall = [], [], []
             for _ in range(args.stream_repeat):
@@ -233,6 +286,7 @@ def main() -> None:
             stream_rows.append((mode, len(chunks), one_cpu, stream_cpu, stream_wall))
     finally:
         server.stop()
+    http_floor = stream_floor(stream_bodies(ids, None), model_dir, args.stream_repeat)
 
     med = statistics.median
     print(
@@ -262,6 +316,21 @@ def main() -> None:
         print(
             f"| {mode} | {calls} | {med(one_cpu) * 1e3:.0f} | {med(stream_cpu) * 1e3:.0f} | "
             f"{med(stream_cpu) / med(one_cpu):.2f}x | {med(stream_wall) * 1e3:.0f} |"
+        )
+    calls = len(stream_bodies(ids, None))
+    print(
+        f"\nFloor of one HTTP call (the chunk bodies echoed by a bare uvicorn ASGI app, no "
+        f"logprobs): {http_floor * 1e3:.0f} ms of server CPU for {calls} calls, "
+        f"{http_floor / calls * 1e6:.0f} µs per call\n"
+    )
+    print("| /health | requests | median ms | p99 ms | max ms |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for label, latencies in health.items():
+        ordered = sorted(latencies)
+        p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+        print(
+            f"| {label} | {len(ordered)} | {med(ordered) * 1e3:.1f} | {p99 * 1e3:.1f} | "
+            f"{ordered[-1] * 1e3:.1f} |"
         )
 
 

@@ -319,3 +319,45 @@ def test_a_body_that_never_ends_is_a_408(qwen3_server: Server) -> None:
         )
         reply = sock.recv(4096)
     assert reply.startswith(b"HTTP/1.1 408")
+
+
+def test_health_answers_while_a_large_derender_is_worked_on(smollm2_server: Server) -> None:
+    """A derender body of ~14 MB (32k positions x top 5) is parsed and resolved in a worker
+    thread: /health, asked once the whole body is written, answers before the derender does
+    (on the event loop the derender held every other request for its whole second)."""
+    import select
+    import socket
+
+    responses = []
+    for response_index in range(16):
+        ids = [100 + (response_index * 2048 + i) * 7919 % 49000 for i in range(2048)]
+        content = [
+            {
+                "token_id": token_id,
+                "logprob": -0.5,
+                "top_logprobs": [
+                    {"token_id": (token_id + k * 13) % 49152, "logprob": -0.5 - k} for k in range(5)
+                ],
+            }
+            for token_id in ids
+        ]
+        choice = {"index": 0, "token_ids": ids, "logprobs": {"content": content}}
+        responses.append({"request_id": "big", "choices": [{**choice, "finish_reason": "length"}]})
+    body = orjson.dumps({"generate_responses": responses})
+    head = (
+        b"POST /v1/completions/derender HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", smollm2_server.port), timeout=120) as big:
+        big.sendall(head + body)
+        with smollm2_server.client() as client:
+            health = client.get("/health")
+        derender_answered = select.select([big], [], [], 0)[0]
+        assert health.status_code == 200
+        assert not derender_answered
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            reply += big.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 200")

@@ -14,9 +14,10 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from tokenwire import __version__
-from tokenwire.api.asgi import ApiKeyMiddleware, RequestBodyMiddleware, RequestIdMiddleware
-from tokenwire.api.errors import UnexpectedErrorMiddleware, install_error_handlers
-from tokenwire.api.metrics import Metrics, MetricsMiddleware
+from tokenwire.api.asgi import FrontConfig, FrontMiddleware
+from tokenwire.api.direct import direct_routes
+from tokenwire.api.errors import install_error_handlers
+from tokenwire.api.metrics import Metrics
 from tokenwire.api.openapi import install_openapi
 from tokenwire.api.routes import (
     control,
@@ -80,28 +81,28 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.metrics = metrics
     install_error_handlers(app)
     install_openapi(app)
-    app.include_router(info.router)
-    app.include_router(tokenize.router)
-    app.include_router(render.router)
-    app.include_router(extend.router)
-    app.include_router(generate.router)
-    app.include_router(derender.router)
-    app.include_router(openai.router)
-    app.include_router(sglang.router)
+    routers = [
+        info.router,
+        tokenize.router,
+        render.router,
+        extend.router,
+        generate.router,
+        derender.router,
+        openai.router,
+        sglang.router,
+    ]
     if settings.enable_rl_control:
-        app.include_router(control.router)
-    # Outermost last: ids on every response, then metrics, auth, the body checks, and bugs
-    # answered as JSON 500s.
-    app.add_middleware(UnexpectedErrorMiddleware)
-    app.add_middleware(
-        RequestBodyMiddleware,
+        routers.append(control.router)
+    for router in routers:
+        app.include_router(router)
+    front = FrontConfig(
+        metrics=metrics,
+        api_key=settings.api_key or None,
         max_bytes=settings.max_request_bytes,
         read_timeout_s=settings.request_read_timeout_s,
+        direct=direct_routes(routers),
     )
-    if settings.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
-    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(FrontMiddleware, config=front)
     return app
 
 

@@ -6,14 +6,12 @@ validation failures are 400 like vLLM's, not FastAPI's default 422.
 
 from __future__ import annotations
 
-import logging
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.media.errors import MediaError
@@ -24,8 +22,6 @@ from tokenwire.pipeline.errors import (
     PipelineError,
     UnknownModel,
 )
-
-logger = logging.getLogger("tokenwire.api")
 
 ERROR_TYPES: dict[int, str] = {
     400: "BadRequestError",
@@ -108,56 +104,34 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
     return "; ".join(parts) or "Invalid request", first_param
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    async def _expected(_: Request, exc: Exception) -> Response:
-        status, message, param = expected_error(exc) or (500, "Internal server error", None)
-        return error_response(status, message, param)
-
-    for kind in (APIError, PipelineError, MediaError):
-        app.add_exception_handler(kind, _expected)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+def exception_response(request: Request, exc: Exception) -> Response | None:
+    """The error response for an exception a route may raise; None for a bug (a 500)."""
+    if isinstance(exc, RequestValidationError):
         content_type = request.headers.get("content-type", "")
         if request.method == "POST" and "json" not in content_type:
             # FastAPI only parses JSON bodies sent as JSON (curl -d sends a form type).
             return error_response(400, NOT_JSON, "Content-Type")
         message, param = describe_validation_error(exc)
         return error_response(400, message, param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
+    if isinstance(exc, StarletteHTTPException):
+        detail = exc.detail
+        message = detail if isinstance(detail, str) else HTTPStatus(exc.status_code).phrase
         return error_response(exc.status_code, message)
+    expected = expected_error(exc)
+    if expected is None:
+        return None
+    return error_response(*expected)
 
 
-class UnexpectedErrorMiddleware:
-    """A bug becomes a JSON 500 and the connection stays usable.
+def install_error_handlers(app: FastAPI) -> None:
+    """FastAPI's handlers for what its routes raise (the direct routes call the same)."""
 
-    Starlette's own 500 handler re-raises after answering, and uvicorn then closes the
-    connection without ``Connection: close``: a pooled client's next request fails with a
-    reset. Caught here, the exception ends with the response. A stream that already started
-    cannot turn into a 500: its route ends it with an error event (``api.sse``).
-    """
+    async def handle(request: Request, exc: Exception) -> Response:
+        response = exception_response(request, exc)
+        if response is None:
+            raise exc
+        return response
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracking_send)
-        except Exception as exc:
-            if started:
-                raise
-            logger.exception("unhandled error", exc_info=exc)
-            await error_response(500, "Internal server error")(scope, receive, send)
+    kinds = (APIError, PipelineError, MediaError, RequestValidationError, StarletteHTTPException)
+    for kind in kinds:
+        app.add_exception_handler(kind, handle)

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenwire.engine.base import EngineStats
 
@@ -83,32 +81,3 @@ class _EngineCollector(Collector):
         for name, value in stats.extra.items():
             if isinstance(value, int | float):
                 yield GaugeMetricFamily(f"tokenwire_engine_{name}", f"Engine {name}.", value)
-
-
-class MetricsMiddleware:
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = time.perf_counter()
-        status = 500
-
-        async def send_and_observe(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_observe)
-        finally:
-            route = scope.get("route")
-            # Unmatched paths share one label so scanners cannot blow up the label set.
-            route_name = getattr(route, "path", None) or "unmatched"
-            self.metrics.observe_request(
-                route_name, scope["method"], status, time.perf_counter() - started
-            )

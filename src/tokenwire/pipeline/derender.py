@@ -16,6 +16,7 @@ from tokenwire.parsers import AssistantMessage
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.decoder import ChoiceDecoder, ChoiceStep, DecodeOptions, Parsing
 from tokenwire.pipeline.errors import InvalidRequest
+from tokenwire.pipeline.offload import run_text_work
 from tokenwire.pipeline.parsing import chat_parsing
 from tokenwire.pipeline.response_json import completion_json
 from tokenwire.pipeline.validation import check_output_ids, logprob_columns
@@ -64,6 +65,20 @@ def decode_choice(
         raise InvalidRequest(f"{where}: {exc}", "logprobs") from exc
 
 
+def work_size(choices: Sequence[GenerateChoiceIn]) -> int:
+    """The decode work of ``choices`` in ``run_text_work``'s units (about a character of
+    tokenising each): a logprob entry costs several times what its id alone does."""
+    size = 0
+    for choice in choices:
+        size += 4 * len(choice.token_ids or ())
+        content = choice.logprobs.content if choice.logprobs is not None else None
+        if content:
+            first = content[0]
+            top = first.get("top_logprobs") if isinstance(first, dict) else None
+            size += 16 * len(content) * (1 + (len(top) if isinstance(top, list) else 0))
+    return size
+
+
 def message_json(step: ChoiceStep) -> dict[str, Any]:
     """A whole choice's assistant message (``step`` of a decoder fed in one piece)."""
     delta = step.message
@@ -85,19 +100,23 @@ async def derender_chat(pipeline: Pipeline, body: ChatDerenderRequest) -> dict[s
     parsing = await chat_parsing(pipeline, runtime, chat, body.prompt_token_ids)
     options = DecodeOptions.of(chat)
     response = body.generate_response
-    choices = []
-    completion_tokens = 0
-    for position, choice in enumerate(response.choices):
-        step = decode_choice(runtime, choice, position, options, parsing, body.prompt_token_ids)
-        completion_tokens += len(choice.token_ids or ())
-        choices.append(
-            {
-                "index": choice.index,
-                "message": message_json(step),
-                "logprobs": logprobs_fragment(step),
-                "finish_reason": step.finish_reason,
-            }
-        )
+
+    def decode_all() -> list[dict[str, Any]]:
+        choices = []
+        for position, choice in enumerate(response.choices):
+            step = decode_choice(runtime, choice, position, options, parsing, body.prompt_token_ids)
+            choices.append(
+                {
+                    "index": choice.index,
+                    "message": message_json(step),
+                    "logprobs": logprobs_fragment(step),
+                    "finish_reason": step.finish_reason,
+                }
+            )
+        return choices
+
+    choices = await run_text_work(work_size(response.choices), decode_all)
+    completion_tokens = sum(len(choice.token_ids or ()) for choice in response.choices)
     prompt_tokens = body.prompt_tokens
     if prompt_tokens is None:
         prompt_tokens = len(body.prompt_token_ids or ())
@@ -117,7 +136,6 @@ async def derender_completion(
 ) -> dict[str, Any]:
     runtime = pipeline.ready(body.model)
     options = DecodeOptions.of(body.completion_request)
-    choices: list[dict[str, Any]] = []
     prompt_total = 0
     completion_tokens = 0
     for response_index, response in enumerate(body.generate_responses):
@@ -126,25 +144,34 @@ async def derender_completion(
             prompt_total += body.prompt_tokens[response_index]
         elif prompt_ids is not None:
             prompt_total += len(prompt_ids)
-        for position, choice in enumerate(response.choices):
-            step = decode_choice(
-                runtime,
-                choice,
-                position,
-                options,
-                Parsing(),
-                prompt_ids,
-                completion_logprobs=True,
-            )
-            completion_tokens += len(choice.token_ids or ())
-            choices.append(
-                {
-                    "index": len(choices),
-                    "text": step.text,
-                    "logprobs": step.logprobs,
-                    "finish_reason": choice.finish_reason,
-                }
-            )
+        completion_tokens += sum(len(choice.token_ids or ()) for choice in response.choices)
+
+    def decode_all() -> list[dict[str, Any]]:
+        choices: list[dict[str, Any]] = []
+        for response_index, response in enumerate(body.generate_responses):
+            prompt_ids = body.prompt_token_ids[response_index] if body.prompt_token_ids else None
+            for position, choice in enumerate(response.choices):
+                step = decode_choice(
+                    runtime,
+                    choice,
+                    position,
+                    options,
+                    Parsing(),
+                    prompt_ids,
+                    completion_logprobs=True,
+                )
+                choices.append(
+                    {
+                        "index": len(choices),
+                        "text": step.text,
+                        "logprobs": step.logprobs,
+                        "finish_reason": choice.finish_reason,
+                    }
+                )
+        return choices
+
+    size = sum(work_size(response.choices) for response in body.generate_responses)
+    choices = await run_text_work(size, decode_all)
     first = body.generate_responses[0]
     return completion_json(
         response_id=first.request_id,

@@ -5,7 +5,6 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from tokenwire.api.json_body import OrjsonRoute
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import pipeline_of
 from tokenwire.pipeline import derender as derendering
@@ -21,8 +20,7 @@ from tokenwire.protocol.responses import (
     CompletionResponse,
 )
 
-# Bodies of 32k output ids with top logprobs run to ~20 MB: parsed with orjson.
-router = APIRouter(tags=["derender"], route_class=OrjsonRoute)
+router = APIRouter(tags=["derender"])
 
 
 @router.post(
