@@ -48,6 +48,8 @@ bench: install
 	$(PY) bench/bench_media.py
 	$(PY) bench/bench_media_limits.py
 	$(PY) bench/bench_request_templates.py
+	$(PY) bench/seed_invariance_sources.py
+	$(PY) bench/bench_seed_invariance.py
 
 # Schemathesis against the servers' own OpenAPI documents, many examples with fresh randomness
 # (the suite runs a few, the same each time). FUZZ_EXAMPLES per operation and mode.

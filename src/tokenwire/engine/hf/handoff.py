@@ -55,6 +55,12 @@ class Request:
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None and not self.recompute
 
+    @property
+    def seeded(self) -> bool:
+        """A seed promises the same ids whatever else runs: the row is computed batch-invariantly
+        (prefilled alone, decode attention over its own tokens; see invariance.py)."""
+        return self.params.seed is not None
+
 
 @dataclass(slots=True)
 class Add:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tokenwire.engine.base import EngineError, TokenLogprob, WeightsError
+from tokenwire.engine.hf import invariance
 from tokenwire.engine.hf.handoff import Request
 from tokenwire.engine.hf.host_memory import return_free_heap_to_os
 from tokenwire.engine.hf.kv_cache import PaddedBatchCache
@@ -88,8 +89,12 @@ class ModelRunner:
         )
 
         auto = AutoModelForImageTextToText if self.vision is not None else AutoModelForCausalLM
-        model = auto.from_pretrained(self.model_dir, dtype=self.dtype, attn_implementation="sdpa")
+        invariance.register()
+        model = auto.from_pretrained(
+            self.model_dir, dtype=self.dtype, attn_implementation=invariance.ATTENTION
+        )
         model.to(self.device).eval()
+        invariance.pad_linear_rows(model, invariance.gemm_row_block(self.device))
         text_config = model.config.get_text_config(decoder=True)
         layer_types = getattr(text_config, "layer_types", None) or []
         if any(t != "full_attention" for t in layer_types):
@@ -275,12 +280,15 @@ class ModelRunner:
         positions = torch.tensor(
             [len(r.prompt) + len(r.output) - 1 + r.rope_delta for r in rows], device=self.device
         ).unsqueeze(1)
+        # Seeded rows attend over exactly their own tokens (see invariance.py).
+        exact = tuple((i, len(r.prompt) + len(r.output)) for i, r in enumerate(rows) if r.seeded)
         out = self.model(
             input_ids=ids,
             attention_mask=attention_mask,
             position_ids=positions,
             use_cache=True,
             logits_to_keep=1,
+            **({"exact_rows": exact} if exact else {}),
             **{self._cache_kwarg: cache},
         )
         cache.commit(1)

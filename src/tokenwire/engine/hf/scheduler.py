@@ -249,6 +249,8 @@ class Scheduler:
         for req in self.waiting:
             if group and (req.wants_prompt_logprobs or group[0].wants_prompt_logprobs):
                 break  # full-logit prefills run alone: their logits are [P, V]
+            if group and (req.seeded or group[0].seeded):
+                break  # seeded prefills run alone: left padding would move their logits
             if group and req.media is not None:
                 break
             new_longest = max(longest, len(req.context))
