@@ -966,3 +966,43 @@ def test_values_beyond_float32_never_fail_the_batch(tiny_engine: HFEngine) -> No
     assert all(r.finish == "length" and len(r.tokens) == 6 for r in results)
     for r in results[len(poison) :]:
         assert r.tokens == alone[0].tokens  # greedy neighbours are untouched
+
+
+@pytest.mark.hf_only
+def test_prefix_cache_on_and_off_give_the_same_tokens(
+    engine: HFEngine, smol_dir: Path, tokenizer: AutoTokenizer, ref_model: torch.nn.Module
+) -> None:
+    """Seeded choices of one prompt (the first prefills it, the others reuse it) and a second
+    turn on top of the first give the ids of an engine without the cache, with parity."""
+    off = HFEngine(smol_dir, max_num_seqs=16, device="cpu", prefix_cache_bytes=0)
+    run(off.start())
+    try:
+        prompt = chat(tokenizer, "Tell me about the sea. " * 40)
+        greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
+
+        def seeded(seed: int) -> SamplingParams:
+            return SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True)
+
+        async def group(eng: HFEngine, tag: str, ids: list[int]) -> list[Result]:
+            return list(
+                await asyncio.gather(
+                    collect(eng, f"{tag}-g", ids, greedy),
+                    *(collect(eng, f"{tag}-{s}", ids, seeded(s)) for s in range(4)),
+                )
+            )
+
+        turns: dict[str, list[list[Result]]] = {}
+        for tag, eng in (("on", engine), ("off", off)):
+            first = run(group(eng, f"{tag}1", prompt))
+            second = prompt + first[0].tokens + chat(tokenizer, "And about rivers?")
+            turns[tag] = [first, run(group(eng, f"{tag}2", second))]
+        for on, off_ in zip(turns["on"], turns["off"], strict=True):
+            assert [r.tokens for r in on] == [r.tokens for r in off_]
+        assert_parity(ref_model, prompt, turns["on"][0][0], 3)
+        second = prompt + turns["on"][0][0].tokens + chat(tokenizer, "And about rivers?")
+        assert_parity(ref_model, second, turns["on"][1][0], 3)
+        stats = engine.stats().extra
+        assert stats["prefix_cache_hits"] >= 8 and stats["prefix_cache_bytes"] > 0
+        assert off.stats().extra["prefix_cache_hits"] == 0
+    finally:
+        run(off.shutdown())
