@@ -1006,3 +1006,41 @@ def test_prefix_cache_on_and_off_give_the_same_tokens(
         assert off.stats().extra["prefix_cache_hits"] == 0
     finally:
         run(off.shutdown())
+
+
+@pytest.mark.hf_only
+def test_prefix_cache_blocks_segments_and_lru_eviction() -> None:
+    """Blocks are shared by prefix, a hit concatenates a path of segments, and eviction takes the
+    least recently used leaf (with what follows it) but never what a new segment follows."""
+    from tokenwire.engine.hf.prefix_cache import BLOCK_TOKENS, PrefixCache, RowKV, block_keys
+
+    def row(tokens: list[int]) -> RowKV:
+        # One layer, one head, head_dim 1: the value at token t is the token id (4 bytes each).
+        kv = torch.tensor(tokens, dtype=torch.float32).view(1, 1, -1, 1)
+        return RowKV([(kv, kv)], 0, torch.arange(len(tokens)))
+
+    block_bytes = 2 * 4 * BLOCK_TOKENS
+    cache = PrefixCache(budget_bytes=6 * block_bytes)
+    a = list(range(3 * BLOCK_TOKENS))
+    a2 = [*a, *range(500, 500 + BLOCK_TOKENS)]  # a's turn 2
+    b = [*range(1000, 1000 + 2 * BLOCK_TOKENS)]
+    cache.keep(block_keys(a), len(a), lambda: row(a))
+    cache.keep(block_keys(a2), len(a2), lambda: row(a2))
+    assert cache.bytes == 4 * block_bytes  # a2 added one block after a's three
+    assert cache.match(block_keys([*a2, 7])) == 4
+    assert cache.fetch(block_keys(a2))[0][0].flatten().tolist() == [float(t) for t in a2]
+    assert block_keys(a2)[:3] == block_keys(a)
+    cache.keep(block_keys(b), len(b), lambda: row(b))  # fits: 6 blocks
+    cache.fetch(block_keys(a2))  # a2 (and a under it) are now more recent than b
+    c = [*range(2000, 2000 + BLOCK_TOKENS)]
+    cache.keep(block_keys(c), len(c), lambda: row(c))  # evicts b (the oldest leaf), whole
+    assert cache.match(block_keys(b)) == 0 and cache.match(block_keys(a2)) == 4
+    assert cache.bytes == 5 * block_bytes and cache.evicted_bytes == 2 * block_bytes
+    d = [*a, *range(3000, 3000 + 3 * BLOCK_TOKENS)]  # follows a: a is kept, c and a2's tail go
+    cache.keep(block_keys(d), len(d), lambda: row(d))
+    assert cache.match(block_keys(d)) == 6 and cache.match(block_keys(a2)) == 3
+    assert cache.match(block_keys(c)) == 0 and cache.bytes == 6 * block_bytes
+    cache.keep(block_keys(b), len(b) + 1, lambda: row(b))  # KV of another length: not kept
+    assert cache.match(block_keys(b)) == 0
+    cache.clear()
+    assert cache.bytes == 0 and cache.match(block_keys(d)) == 0

@@ -25,12 +25,15 @@ bypass the cache (their KV depends on pixels the ids do not name; see the schedu
 from __future__ import annotations
 
 import hashlib
+import logging
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 BLOCK_TOKENS = 16
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [H, T, D]
@@ -137,11 +140,34 @@ class PrefixCache:
             for i in range(len(parts[0]))
         ]
 
-    def store(self, keys: Sequence[bytes], source: RowKV) -> None:
+    def stats(self) -> dict[str, int]:
+        """The counters, named as the engine's metrics."""
+        return {
+            "prefix_cache_hits": self.hits,
+            "prefix_cache_misses": self.misses,
+            "prefix_cache_hit_tokens": self.hit_tokens,
+            "prefix_cache_bytes": self.bytes,
+            "prefix_cache_evicted_bytes": self.evicted_bytes,
+        }
+
+    def keep(self, keys: Sequence[bytes], length: int, source: Callable[[], RowKV]) -> None:
+        """Store the blocks ``keys`` of a row that holds ``length`` tokens' KV.
+
+        The cache is an optimisation: a row whose KV does not have ``length`` tokens is not
+        kept, and a failed copy (out of memory) is logged and fails no request.
+        """
+        if not keys or not self.enabled or self.match(keys) == len(keys):
+            return
+        try:
+            row = source()
+            if row.length == length:
+                self._store(keys, row)
+        except Exception:
+            logger.exception("prefix cache: could not keep a row")
+
+    def _store(self, keys: Sequence[bytes], source: RowKV) -> None:
         """Keep the blocks ``keys`` (of the row in ``source``) that are not cached yet."""
         start = self.match(keys)
-        if not self.enabled or start == len(keys):
-            return
         kv = source.take(start * BLOCK_TOKENS, len(keys) * BLOCK_TOKENS)
         nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
         parent = self._index[keys[start - 1]] if start else None

@@ -182,6 +182,8 @@ class Scheduler:
                 return
             self.weight_version = cmd.version
             self.prefix.clear()  # KV of the old weights must not serve new requests
+            for req in self.running:
+                req.stale_kv = True
             cmd.reply.send(None)
         elif isinstance(cmd, ResetPrefixCache):
             self.prefix.clear()
@@ -246,13 +248,7 @@ class Scheduler:
     def _publish(self) -> None:
         self.num_running = len(self.running)
         self.num_waiting = len(self.waiting)
-        self.prefix_stats = {
-            "prefix_cache_hits": self.prefix.hits,
-            "prefix_cache_misses": self.prefix.misses,
-            "prefix_cache_hit_tokens": self.prefix.hit_tokens,
-            "prefix_cache_bytes": self.prefix.bytes,
-            "prefix_cache_evicted_bytes": self.prefix.evicted_bytes,
-        }
+        self.prefix_stats = self.prefix.stats()
 
     def _next_group(self) -> list[Request]:
         """FIFO requests for one prefill forward, within free slots and the token budget.
@@ -312,9 +308,12 @@ class Scheduler:
         del pasts
         self.steps += 1
         for i, req in enumerate(group):
-            keys = self._context_keys(req)
-            if keys:
-                self.prefix.store(keys, self.runner.prefilled_row(prefilled, i))
+            req.stale_kv = False
+            self.prefix.keep(
+                self._context_keys(req),
+                len(req.context),
+                lambda i=i: self.runner.prefilled_row(prefilled, i),
+            )
         self._sample_and_emit(
             group, prefilled.logits, emits, first=True, prompt=prefilled.prompt_logprobs
         )
@@ -421,9 +420,8 @@ class Scheduler:
     def _keep_row(self, row: int) -> None:
         """Store a leaving row's blocks: its prompt and outputs but the last (never fed)."""
         req = self.running[row]
-        if not req.output or not self._context_keys(req):
+        if req.stale_kv or not req.output or not self._context_keys(req):
             return
         tokens = [*req.prompt, *req.output[:-1]]
-        source = self.runner.running_row(row)
-        if source.length == len(tokens):  # else its KV is not what the ids say: keep nothing
-            self.prefix.store(block_keys(tokens, req.prompt_keys or ()), source)
+        keys = block_keys(tokens, req.prompt_keys or ())
+        self.prefix.keep(keys, len(tokens), lambda: self.runner.running_row(row))
