@@ -40,6 +40,7 @@ class Result:
     finish: str | None = None
     stop_reason: int | str | None = None
     outputs: int = 0
+    cached: int = 0
 
 
 async def collect(engine: HFEngine, rid: str, prompt: list[int], sp: SamplingParams) -> Result:
@@ -47,6 +48,7 @@ async def collect(engine: HFEngine, rid: str, prompt: list[int], sp: SamplingPar
     async for out in engine.generate(rid, prompt, sp):
         res.outputs += 1
         res.tokens += out.new_token_ids
+        res.cached = out.num_cached_tokens or res.cached
         res.logprobs += out.logprobs or []
         if out.prompt_logprobs is not None:
             res.prompt_logprobs = out.prompt_logprobs
@@ -966,3 +968,83 @@ def test_values_beyond_float32_never_fail_the_batch(tiny_engine: HFEngine) -> No
     assert all(r.finish == "length" and len(r.tokens) == 6 for r in results)
     for r in results[len(poison) :]:
         assert r.tokens == alone[0].tokens  # greedy neighbours are untouched
+
+
+@pytest.mark.hf_only
+def test_prefix_cache_on_and_off_give_the_same_tokens(
+    engine: HFEngine, smol_dir: Path, tokenizer: AutoTokenizer, ref_model: torch.nn.Module
+) -> None:
+    """Greedy and seeded requests of one prompt and a second turn on top of the first (which
+    reuses the first turn's blocks) give the ids of an engine without the cache, with parity;
+    seeded requests store blocks but never read them."""
+    off = HFEngine(smol_dir, max_num_seqs=16, device="cpu", prefix_cache_bytes=0)
+    run(off.start())
+    try:
+        prompt = chat(tokenizer, "Tell me about the sea. " * 40)
+        greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
+
+        def seeded(seed: int) -> SamplingParams:
+            return SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True)
+
+        async def group(eng: HFEngine, tag: str, ids: list[int]) -> list[Result]:
+            return list(
+                await asyncio.gather(
+                    collect(eng, f"{tag}-g", ids, greedy),
+                    *(collect(eng, f"{tag}-{s}", ids, seeded(s)) for s in range(4)),
+                )
+            )
+
+        turns: dict[str, list[list[Result]]] = {}
+        for tag, eng in (("on", engine), ("off", off)):
+            first = run(group(eng, f"{tag}1", prompt))
+            second = prompt + first[0].tokens + chat(tokenizer, "And about rivers?")
+            turns[tag] = [first, run(group(eng, f"{tag}2", second))]
+        for on, off_ in zip(turns["on"], turns["off"], strict=True):
+            assert [r.tokens for r in on] == [r.tokens for r in off_]
+        assert_parity(ref_model, prompt, turns["on"][0][0], 3)
+        second = prompt + turns["on"][0][0].tokens + chat(tokenizer, "And about rivers?")
+        assert_parity(ref_model, second, turns["on"][1][0], 3)
+        stats = engine.stats().extra
+        assert stats["prefix_cache_hits"] >= 1 and stats["prefix_cache_bytes"] > 0
+        assert all(r.cached == 0 for turn in turns["on"] for r in turn[1:])
+        assert off.stats().extra["prefix_cache_hits"] == 0
+    finally:
+        run(off.shutdown())
+
+
+@pytest.mark.hf_only
+def test_prefix_cache_blocks_segments_and_lru_eviction() -> None:
+    """Blocks are shared by prefix, a hit concatenates a path of segments, and eviction takes the
+    least recently used leaf (with what follows it) but never what a new segment follows."""
+    from tokenwire.engine.hf.prefix_cache import BLOCK_TOKENS, PrefixCache, RowKV, block_keys
+
+    def row(tokens: list[int]) -> RowKV:
+        # One layer, one head, head_dim 1: the value at token t is the token id (4 bytes each).
+        kv = torch.tensor(tokens, dtype=torch.float32).view(1, 1, -1, 1)
+        return RowKV([(kv, kv)], 0, torch.arange(len(tokens)))
+
+    block_bytes = 2 * 4 * BLOCK_TOKENS
+    cache = PrefixCache(budget_bytes=6 * block_bytes)
+    a = list(range(3 * BLOCK_TOKENS))
+    a2 = [*a, *range(500, 500 + BLOCK_TOKENS)]  # a's turn 2
+    b = [*range(1000, 1000 + 2 * BLOCK_TOKENS)]
+    cache.keep(block_keys(a), len(a), lambda: row(a))
+    cache.keep(block_keys(a2), len(a2), lambda: row(a2))
+    assert cache.bytes == 4 * block_bytes  # a2 added one block after a's three
+    assert cache.match(block_keys([*a2, 7])) == 4
+    assert cache.fetch(block_keys(a2))[0][0].flatten().tolist() == [float(t) for t in a2]
+    assert block_keys(a2)[:3] == block_keys(a)
+    cache.keep(block_keys(b), len(b), lambda: row(b))  # fits: 6 blocks
+    cache.fetch(block_keys(a2))  # a2 (and a under it) are now more recent than b
+    c = [*range(2000, 2000 + BLOCK_TOKENS)]
+    cache.keep(block_keys(c), len(c), lambda: row(c))  # evicts b (the oldest leaf), whole
+    assert cache.match(block_keys(b)) == 0 and cache.match(block_keys(a2)) == 4
+    assert cache.bytes == 5 * block_bytes and cache.evicted_bytes == 2 * block_bytes
+    d = [*a, *range(3000, 3000 + 3 * BLOCK_TOKENS)]  # follows a: a is kept, c and a2's tail go
+    cache.keep(block_keys(d), len(d), lambda: row(d))
+    assert cache.match(block_keys(d)) == 6 and cache.match(block_keys(a2)) == 3
+    assert cache.match(block_keys(c)) == 0 and cache.bytes == 6 * block_bytes
+    cache.keep(block_keys(b), len(b) + 1, lambda: row(b))  # KV of another length: not kept
+    assert cache.match(block_keys(b)) == 0
+    cache.clear()
+    assert cache.bytes == 0 and cache.match(block_keys(d)) == 0

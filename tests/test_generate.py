@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from tests.conftest import SESSION_ENGINE, assert_error
+from tests.conftest import assert_error
 
 PARIS_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -411,13 +411,10 @@ def test_render_then_generate_round_trip(smollm2: httpx.Client, paris_ids: list[
 def test_usage_reports_prefix_cached_prompt_tokens(
     smollm2: httpx.Client, paris_ids: list[int]
 ) -> None:
-    """vLLM's engine serves a repeated prompt's full KV blocks from its prefix cache and says so
-    (``prompt_tokens_details``, as vLLM does); the hf engine keeps no prefix cache."""
+    """Both engines serve a repeated prompt's full KV blocks from their prefix cache and say so
+    (``prompt_tokens_details``, as vLLM does)."""
     # A prompt no other test sends, longer than a KV block (128 tokens on vLLM's CPU build).
     prompt = [*paris_ids * 8, 1780, 314]
     generate(smollm2, prompt, temperature=0, max_tokens=2)
     usage = generate(smollm2, prompt, temperature=0, max_tokens=2)["usage"]
-    if SESSION_ENGINE["kind"] == "hf":
-        assert "prompt_tokens_details" not in usage
-    else:
-        assert 0 < usage["prompt_tokens_details"]["cached_tokens"] < len(prompt)
+    assert 0 < usage["prompt_tokens_details"]["cached_tokens"] < len(prompt)

@@ -344,6 +344,28 @@ def test_a_different_image_changes_the_logits(
     )
 
 
+@pytest.mark.hf_only  # the hf engine's prefix cache
+def test_an_image_change_misses_the_prefix_cache(
+    vl: httpx.Client, media: MediaServer, engine_media: None
+) -> None:
+    """The same ids with another image reuse no KV: prompts with images bypass the prefix cache
+    (their KV depends on pixels the ids do not name), even after the same ids ran twice."""
+    text = "Describe every colour and shape in this picture, then its mood. " * 6
+    rendered = render(vl, image_messages(image_part(media.url("/img/a.png")), text=text)).json()
+    one_pad = collapse_pads(rendered["token_ids"])
+    firsts = []
+    for name in ("a.png", "a.png", "b.png"):
+        parts = [{"type": "image_url", "url": media.url(f"/img/{name}")}]
+        response = generate(vl, one_pad, content_parts=parts)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["usage"]["prompt_tokens"] > 64
+        assert "prompt_tokens_details" not in body["usage"]
+        firsts.append(body["choices"][0]["logprobs"]["content"][0]["top_logprobs"])
+    assert firsts[0] == firsts[1]
+    assert firsts[2] != firsts[0]
+
+
 def test_chat_completions_with_an_image(
     vl: httpx.Client, media: MediaServer, engine_media: None
 ) -> None:

@@ -361,3 +361,23 @@ def test_sglang_generate(rl_server: Server, rl: httpx.Client, prompt_ids: list[i
 )
 def test_sglang_generate_bad_input(rl: httpx.Client, body: dict) -> None:
     assert rl.post("/generate", json=body).status_code == 400
+
+
+@pytest.mark.hf_only  # vLLM's blocks are 128 tokens on CPU
+def test_reset_and_reloads_clear_the_prefix_cache(rl: httpx.Client, base_dir: Path) -> None:
+    """No KV computed before ``/reset_prefix_cache`` or a weight reload serves a later request
+    (the reload keeps the base weights, so only the cache can tell)."""
+    prompt = [(7 * i) % 30000 + 500 for i in range(100)]
+
+    def cached() -> int:
+        usage = ok(generate(rl, prompt, max_tokens=2))["usage"]
+        return usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+    assert cached() == 0
+    assert cached() == 96
+    assert ok(rl.post("/reset_prefix_cache")) == {"success": True}
+    assert cached() == 0
+    assert cached() == 96
+    ok(rl.post("/update_weights_from_disk", json={"model_path": str(base_dir)}))
+    assert cached() == 0
+    ok(rl.post("/update_weight_version", json={"new_version": "default"}))

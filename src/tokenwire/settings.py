@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tokenwire.engine.factory import ENGINE_KINDS, EngineKind
+from tokenwire.engine.factory import DEFAULT_PREFIX_CACHE_BYTES, ENGINE_KINDS, EngineKind
 from tokenwire.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ class Settings:
     log_level: str = "info"
     max_num_seqs: int = 64
     max_n: int = 16
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
@@ -186,6 +187,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-num-seqs", type=int, default=env_or("max_num_seqs", d.max_num_seqs))
     add("--max-n", type=int, default=env_or("max_n", d.max_n), help="largest n per request")
     add(
+        "--prefix-cache-bytes",
+        type=int,
+        default=env_or("prefix_cache_bytes", d.prefix_cache_bytes),
+        help="KV the hf engine keeps to reuse repeated prompt prefixes (0: off)",
+    )
+    add(
         "--reasoning-parser",
         default=env_or("reasoning_parser", None),
         choices=REASONING_PARSER_NAMES,
@@ -259,6 +266,7 @@ def settings_from_args(args: argparse.Namespace, engine_args: Sequence[str] = ()
         "max_request_bytes",
         "max_num_seqs",
         "max_n",
+        "prefix_cache_bytes",
         "max_media_bytes",
         "media_cache_bytes",
         "max_images_per_request",
@@ -276,6 +284,8 @@ def settings_from_args(args: argparse.Namespace, engine_args: Sequence[str] = ()
         "shutdown_timeout_s",
     ):
         values[name] = float(values[name])
+    if values.get("prefix_cache_bytes", 0) < 0:
+        raise ValueError("--prefix-cache-bytes must be >= 0 (0 turns the prefix cache off)")
     for name in ("chat_template", "allowed_local_media_path"):
         if values.get(name) is not None:
             values[name] = Path(values[name])

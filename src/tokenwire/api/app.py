@@ -136,6 +136,7 @@ async def _load_runtime(pipeline: Pipeline, settings: Settings, metrics: Metrics
             device=settings.device,
             dtype=settings.dtype,
             extra_args=settings.engine_args,
+            prefix_cache_bytes=settings.prefix_cache_bytes,
         )
         await engine.start()
     except asyncio.CancelledError:

@@ -10,6 +10,8 @@ from tokenwire.engine.base import Engine
 
 EngineKind = Literal["hf", "vllm"]
 ENGINE_KINDS: tuple[EngineKind, ...] = ("hf", "vllm")
+# The hf engine's prefix cache budget: about 23k tokens of SmolLM2-135M's float32 KV.
+DEFAULT_PREFIX_CACHE_BYTES = 2**30
 
 
 def create_engine(
@@ -21,8 +23,13 @@ def create_engine(
     device: str | None = None,
     dtype: str | None = None,
     extra_args: Sequence[str] = (),
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
 ) -> Engine:
-    """An unstarted engine of ``kind``; ``extra_args`` are vLLM engine flags (vllm only)."""
+    """An unstarted engine of ``kind``; ``extra_args`` are vLLM engine flags (vllm only).
+
+    ``prefix_cache_bytes`` budgets the hf engine's prefix cache (0: off);
+    vLLM sizes its own (``--enable-prefix-caching`` and its KV cache flags).
+    """
     if kind == "vllm":
         from tokenwire.engine.vllm import VLLMEngine
 
@@ -43,4 +50,5 @@ def create_engine(
         max_num_seqs=max_num_seqs,
         device=device,
         dtype=dtype,
+        prefix_cache_bytes=prefix_cache_bytes,
     )

@@ -114,7 +114,7 @@ class GenerationJob:
             [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         )
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
-        # Prompt tokens the engine served from its prefix cache (vllm engine; hf: 0).
+        # Prompt tokens the engine served from its prefix cache (choice 0's, as vLLM counts).
         self.num_cached_tokens = 0
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:

@@ -109,6 +109,7 @@ class CompletionRun:
             choices=choices,
             prompt_tokens=self._prompt_tokens(),
             completion_tokens=completion_tokens,
+            cached_tokens=self._cached_tokens(),
         )
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
@@ -134,7 +135,7 @@ class CompletionRun:
             self.pipeline.jobs.remove(*self.jobs)
         options = self.stream_options
         if options is not None and options.include_usage:
-            usage = usage_json(self._prompt_tokens(), completion_tokens)
+            usage = usage_json(self._prompt_tokens(), completion_tokens, self._cached_tokens())
             yield {**header, "choices": [], "usage": usage}
 
     def _choice_json(self, index: int, step: ChoiceStep, *, whole: bool) -> dict[str, Any]:
@@ -156,6 +157,9 @@ class CompletionRun:
 
     def _prompt_tokens(self) -> int:
         return sum(len(job.prompt_ids) for job in self.jobs)
+
+    def _cached_tokens(self) -> int:
+        return sum(job.num_cached_tokens for job in self.jobs)
 
 
 async def start_chat_completion(pipeline: Pipeline, body: ChatCompletionRequest) -> CompletionRun:

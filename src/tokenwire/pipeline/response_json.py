@@ -28,6 +28,7 @@ def completion_json(
     choices: list[dict[str, Any]],
     prompt_tokens: int,
     completion_tokens: int,
+    cached_tokens: int = 0,
 ) -> dict[str, Any]:
     """A ``chat.completion`` or ``text_completion`` response."""
     return {
@@ -36,5 +37,5 @@ def completion_json(
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": usage_json(prompt_tokens, completion_tokens),
+        "usage": usage_json(prompt_tokens, completion_tokens, cached_tokens),
     }

@@ -25,6 +25,7 @@ from tokenwire.engine.base import (
     SamplingParams,
     WeightsError,
 )
+from tokenwire.engine.factory import DEFAULT_PREFIX_CACHE_BYTES
 from tokenwire.engine.hf.handoff import (
     Abort,
     Add,
@@ -32,6 +33,7 @@ from tokenwire.engine.hf.handoff import (
     Pause,
     Reply,
     Request,
+    ResetPrefixCache,
     Resume,
     SetVersion,
     Sink,
@@ -69,6 +71,7 @@ def _merge(items: list[EngineOutput]) -> EngineOutput:
         logprobs=[] if any(o.logprobs is not None for o in items) else None,
         prompt_logprobs=first.prompt_logprobs,
         num_prompt_tokens=first.num_prompt_tokens,
+        num_cached_tokens=first.num_cached_tokens,
         weight_version=first.weight_version,
     )
     for o in items:
@@ -112,6 +115,7 @@ class HFEngine:
         max_num_seqs: int = 64,
         device: str | None = None,
         dtype: torch.dtype | str | None = None,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     ) -> None:
         from transformers import AutoConfig
 
@@ -143,6 +147,7 @@ class HFEngine:
             self._inbox,
             max_num_seqs=max_num_seqs,
             max_model_len=self.max_model_len,
+            prefix_cache_bytes=prefix_cache_bytes,
         )
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -182,6 +187,7 @@ class HFEngine:
                 "steps": s.steps,
                 "tokens_generated": s.tokens_generated,
                 "kv_cache_bytes": s.kv_cache_bytes,
+                **s.prefix_stats,
             },
         )
 
@@ -270,8 +276,8 @@ class HFEngine:
         await self._command(lambda reply: SetVersion(version, reply))
 
     async def reset_prefix_cache(self) -> bool:
-        """Nothing to reset: the hf engine keeps no prefix cache across requests."""
-        return True
+        """Forget every cached block (always succeeds: running rows keep their own KV)."""
+        return bool(await self._command(ResetPrefixCache))
 
     async def _command(self, make: Any) -> Any:
         if not self.is_ready():

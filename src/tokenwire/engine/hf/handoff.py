@@ -45,6 +45,12 @@ class Request:
     recompute: bool = False
     # The prompt has images: their pixels are freed after prefill, so it cannot recompute.
     has_images: bool = False
+    # Prefix cache: the keys of the prompt's full blocks (computed once), and how many context
+    # tokens the next prefill takes from the cache.
+    prompt_keys: list[bytes] | None = None
+    num_cached: int = 0
+    # New weights came in after its prefill: its KV mixes two weight versions, keep none of it.
+    stale_kv: bool = False
 
     @property
     def context(self) -> list[int]:
@@ -129,7 +135,12 @@ class SetVersion:
     reply: Reply
 
 
-Command = Add | Abort | Stop | Pause | Resume | SwapWeights | SetVersion
+@dataclass(slots=True)
+class ResetPrefixCache:
+    reply: Reply
+
+
+Command = Add | Abort | Stop | Pause | Resume | SwapWeights | SetVersion | ResetPrefixCache
 # One step's outputs (or the error that ended a stream), in the order they were made.
 Emits = list[tuple[Sink, EngineOutput | BaseException]]
 

@@ -98,6 +98,14 @@ class PaddedBatchCache(Cache):
         """The [rows, length + extra] attention mask; columns past ``end`` must be set first."""
         return self.mask[: self.rows, self.start : self.end + extra]
 
+    def window_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the window's keys and values [rows, kv_heads, length, head_dim] (views)."""
+        s, e, n = self.start, self.end, self.rows
+        return [
+            (layer.kbuf[:n, :, s:e], layer.vbuf[:n, :, s:e])  # type: ignore[index]
+            for layer in self._window_layers
+        ]
+
     # -- capacity -----------------------------------------------------------------------------
 
     def release(self) -> None:

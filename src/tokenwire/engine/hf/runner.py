@@ -21,6 +21,7 @@ from tokenwire.engine.hf.host_memory import return_free_heap_to_os
 from tokenwire.engine.hf.kv_cache import PaddedBatchCache
 from tokenwire.engine.hf.mrope import prefill_positions
 from tokenwire.engine.hf.multimodal import RequestMedia, VisionSpec, prefill_media_kwargs
+from tokenwire.engine.hf.prefix_cache import LayerKV, RowKV
 from tokenwire.engine.hf.sampling import RowSampler, SampleResult, sample, token_logprobs
 
 # Prompt positions per log_softmax chunk when computing prompt logprobs.
@@ -53,6 +54,22 @@ class Prefilled:
     prompt_logprobs: list[TokenLogprob | None] | None  # the first row's, when it asked
     cache: Any  # the group's own DynamicCache
     mask: torch.Tensor  # [n, P] bool, left-padded
+
+
+def _padded_past(pasts: list[LayerKV | None], cached: list[int]) -> LayerKV:
+    """Rows' cached KV as one [n, H, max cached, D] past per layer, each row right-aligned."""
+    first = next(p for p in pasts if p is not None)
+    n, c_max = len(pasts), max(cached)
+    layers: LayerKV = []
+    for layer, (k0, v0) in enumerate(first):
+        keys = k0.new_zeros(n, k0.shape[0], c_max, k0.shape[2])
+        values = v0.new_zeros(n, v0.shape[0], c_max, v0.shape[2])
+        for i, (past, c) in enumerate(zip(pasts, cached, strict=True)):
+            if past is not None and c:
+                keys[i, :, c_max - c :] = past[layer][0]
+                values[i, :, c_max - c :] = past[layer][1]
+        layers.append((keys, values))
+    return layers
 
 
 class ModelRunner:
@@ -175,23 +192,29 @@ class ModelRunner:
                     **prefill_media_kwargs([media], self.device, self.dtype),
                 )
 
-    def prefill(self, group: list[Request]) -> Prefilled:
+    def prefill(self, group: list[Request], pasts: list[LayerKV | None]) -> Prefilled:
         """Run a group's left-padded prompts in their own cache and give each row a sampler.
 
+        ``pasts[i]`` is row i's first ``num_cached`` context tokens' KV from the prefix cache
+        (None: none): the forward then takes only the rest. Row i's columns are then [padding,
+        its past (right-aligned in the widest past), padding, the rest (right-aligned)]; the mask
+        and explicit positions make the padding in between invisible.
         Sets each row's rope delta and frees its pixels (they live in the KV cache now).
         """
         from transformers import DynamicCache
 
-        contexts = [req.context for req in group]
-        n, p = len(group), max(map(len, contexts))
+        cached = [req.num_cached for req in group]
+        contexts = [req.context[c:] for req, c in zip(group, cached, strict=True)]
+        n, c_max, p = len(group), max(cached), max(map(len, contexts))
         ids = torch.zeros(n, p, dtype=torch.long)
-        mask = torch.zeros(n, p, dtype=torch.bool)
-        for i, context in enumerate(contexts):
+        mask = torch.zeros(n, c_max + p, dtype=torch.bool)
+        for i, (context, c) in enumerate(zip(contexts, cached, strict=True)):
             ids[i, p - len(context) :] = torch.tensor(context)
-            mask[i, p - len(context) :] = True
+            mask[i, c_max + p - len(context) :] = True
+            mask[i, c_max - c : c_max] = True
         ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        if any(r.media is not None for r in group):
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, c_max:]
+        if any(r.media is not None for r in group):  # alone, never cached (see the scheduler)
             assert self.vision is not None
             positions, deltas = prefill_positions(
                 [r.prompt for r in group],
@@ -202,8 +225,10 @@ class ModelRunner:
             )
             for req, delta in zip(group, deltas, strict=True):
                 req.rope_delta = delta
+        cache = (
+            DynamicCache(ddp_cache_data=_padded_past(pasts, cached)) if c_max else DynamicCache()
+        )
         wants_prompt = group[0].wants_prompt_logprobs
-        cache = DynamicCache()
         last_logits, hidden = self._prefill_forward(
             group, ids, mask, positions, cache, wants_prompt
         )
@@ -257,6 +282,18 @@ class ModelRunner:
     def _project(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states -> logits: what the causal LM head does after the decoder."""
         return self.model.get_output_embeddings()(hidden)
+
+    @staticmethod
+    def prefilled_row(prefilled: Prefilled, row: int) -> RowKV:
+        """Row ``row`` of a prefill's own cache, for the prefix cache."""
+        layers = [(layer.keys, layer.values) for layer in prefilled.cache.layers]
+        return RowKV(layers, row, prefilled.mask[row].nonzero().squeeze(1))
+
+    def running_row(self, row: int) -> RowKV:
+        """Cache row ``row`` of the running batch, for the prefix cache."""
+        assert self.cache is not None
+        cols = self.cache.window_mask()[row].nonzero().squeeze(1)
+        return RowKV(self.cache.window_kv(), row, cols)
 
     def join(self, prefilled: Prefilled, alive: list[int]) -> None:
         """Move the prefilled rows at indexes ``alive`` into the running cache, in order."""

@@ -6,6 +6,13 @@ finish or are aborted leave the cache right after the step that ends them; ``run
 always cache row ``i``. A failed prefill fails only its group; a failed decode fails the batch
 and starts from an empty cache.
 
+The prefix cache (``prefix_cache``) gives a prefill the KV of a context's cached blocks, and
+keeps each prefilled prompt's blocks and each leaving row's prompt and output blocks. A waiting
+request whose next uncached block a request of the forming group is about to store waits one
+prefill: so the n choices of a request (n engine requests with one prompt) prefill it once, and
+the others take it from the cache. Prompts with images bypass the cache; seeded requests and
+prompt-logprob requests store their blocks but never read them (see ``_next_group``).
+
 Control commands (pause, resume, new weights, a new weight version) are applied between steps
 in the order they arrive, so every token is sampled by exactly one weight version.
 """
@@ -33,12 +40,14 @@ from tokenwire.engine.hf.handoff import (
     Pause,
     Reply,
     Request,
+    ResetPrefixCache,
     Resume,
     SetVersion,
     Stop,
     SwapWeights,
     deliver,
 )
+from tokenwire.engine.hf.prefix_cache import BLOCK_TOKENS, LayerKV, PrefixCache, block_keys
 from tokenwire.engine.hf.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -61,6 +70,7 @@ class Scheduler:
         *,
         max_num_seqs: int,
         max_model_len: int,
+        prefix_cache_bytes: int,
     ) -> None:
         self.runner = runner
         self.inbox = inbox
@@ -69,6 +79,7 @@ class Scheduler:
         self.running: list[Request] = []  # index == cache row
         self.waiting: deque[Request] = deque()
         self._prefilling: list[Request] = []  # popped from waiting, not yet running
+        self.prefix = PrefixCache(prefix_cache_bytes)
         self.stopping = False
         self.paused = False
         # A "wait" pause answered once the requests in flight have finished.
@@ -82,6 +93,7 @@ class Scheduler:
         self.steps = 0
         self.tokens_generated = 0
         self.kv_cache_bytes = 0
+        self.prefix_stats: dict[str, int] = {}
 
     def run(self) -> None:
         """Step until a ``Stop`` arrives, then end every stream, late arrivals included."""
@@ -129,7 +141,7 @@ class Scheduler:
                 break
             if isinstance(cmd, Add):
                 emits.append((cmd.request.sink, self._output([], "abort")))
-            elif isinstance(cmd, Pause | Resume | SwapWeights | SetVersion):
+            elif isinstance(cmd, Pause | Resume | SwapWeights | SetVersion | ResetPrefixCache):
                 cmd.reply.send(EngineError("the engine is shutting down"))
         deliver(emits)
 
@@ -162,8 +174,9 @@ class Scheduler:
             elif cmd.mode == "wait" and in_flight:
                 self._drain_reply, self._drain_count = cmd.reply, in_flight
                 return
-            if cmd.clear_cache:
+            if cmd.clear_cache:  # as vLLM's clear_cache: the prefix cache goes too
                 self._recompute_running(emits)
+                self.prefix.clear()
             self.paused = True
             cmd.reply.send(in_flight)
         elif isinstance(cmd, Resume):
@@ -177,7 +190,13 @@ class Scheduler:
                 cmd.reply.send(exc)
                 return
             self.weight_version = cmd.version
+            self.prefix.clear()  # KV of the old weights must not serve new requests
+            for req in self.running:
+                req.stale_kv = True
             cmd.reply.send(None)
+        elif isinstance(cmd, ResetPrefixCache):
+            self.prefix.clear()
+            cmd.reply.send(True)
         elif isinstance(cmd, SetVersion):
             self.weight_version = cmd.version
             cmd.reply.send(None)
@@ -240,11 +259,17 @@ class Scheduler:
         self.num_waiting = len(self.waiting)
         cache = self.runner.cache
         self.kv_cache_bytes = cache.nbytes if cache is not None else 0
+        self.prefix_stats = self.prefix.stats()
 
     def _next_group(self) -> list[Request]:
-        """FIFO requests for one prefill forward, within free slots and the token budget."""
+        """FIFO requests for one prefill forward, within free slots and the token budget.
+
+        Sets each one's ``num_cached``. A request waits for a later group when a request of this
+        one will store its next uncached block (see the module docstring).
+        """
         free = self.max_num_seqs - len(self.running)
         group: list[Request] = []
+        coming: set[bytes] = set()  # blocks this group's prompts will store
         longest = 0
         for req in self.waiting:
             if group and (req.wants_prompt_logprobs or group[0].wants_prompt_logprobs):
@@ -253,23 +278,58 @@ class Scheduler:
                 break  # seeded prefills run alone: left padding would move their logits
             if group and req.media is not None:
                 break
-            new_longest = max(longest, len(req.context))
-            if group and new_longest * (len(group) + 1) > MAX_PREFILL_TOKENS:
-                break
             if len(group) >= free:
                 break
+            keys = self._context_keys(req)
+            # Leave one token to prefill (its logits sample the first output token).
+            usable = keys[: (len(req.context) - 1) // BLOCK_TOKENS]
+            # Seeded requests compute their prompt from scratch: cached KV was computed in
+            # another batch shape, and a seed promises the same ids whatever ran before.
+            reads_cache = not (req.wants_prompt_logprobs or req.seeded)
+            hit = self.prefix.match(usable) if reads_cache else 0
+            if reads_cache and hit < len(usable) and usable[hit] in coming:
+                continue
+            new_longest = max(longest, len(req.context) - hit * BLOCK_TOKENS)
+            if group and new_longest * (len(group) + 1) > MAX_PREFILL_TOKENS:
+                break
+            if keys and reads_cache:
+                self.prefix.record(hit)
+            req.num_cached = hit * BLOCK_TOKENS
+            coming.update(keys)
             group.append(req)
             longest = new_longest
             if req.media is not None:
                 break
-        for _ in group:
-            self.waiting.popleft()
+        chosen = {id(r) for r in group}
+        self.waiting = deque(r for r in self.waiting if id(r) not in chosen)
         return group
+
+    def _context_keys(self, req: Request) -> list[bytes]:
+        """The prefix-cache keys of the next prefill's context ([]: it bypasses the cache)."""
+        if not self.prefix.enabled or req.has_images:
+            return []
+        if req.prompt_keys is None:
+            req.prompt_keys = block_keys(req.prompt)
+        return block_keys(req.context, req.prompt_keys) if req.recompute else req.prompt_keys
 
     def _prefill_step(self, emits: Emits) -> None:
         group = self._prefilling = self._next_group()
-        prefilled = self.runner.prefill(group)
+        pasts: list[LayerKV | None] = [
+            self.prefix.fetch(self._context_keys(r)[: r.num_cached // BLOCK_TOKENS])
+            if r.num_cached
+            else None
+            for r in group
+        ]
+        prefilled = self.runner.prefill(group, pasts)
+        del pasts
         self.steps += 1
+        for i, req in enumerate(group):
+            req.stale_kv = False
+            self.prefix.keep(
+                self._context_keys(req),
+                len(req.context),
+                lambda i=i: self.runner.prefilled_row(prefilled, i),
+            )
         self._sample_and_emit(
             group, prefilled.logits, emits, first=True, prompt=prefilled.prompt_logprobs
         )
@@ -313,6 +373,7 @@ class Scheduler:
             )
             if first and is_first:
                 out.num_prompt_tokens = len(req.prompt)
+                out.num_cached_tokens = req.num_cached
                 if prompt is not None and i == 0:
                     out.prompt_logprobs = prompt
             emits.append((req.sink, out))
@@ -359,12 +420,24 @@ class Scheduler:
         return None, None
 
     def _drop_finished(self) -> None:
-        """Remove finished rows from the cache and mirror the cache's row moves."""
+        """Remove finished rows from the cache and mirror the cache's row moves; their prompt
+        and output blocks go to the prefix cache first."""
         done = [i for i, r in enumerate(self.running) if r.finish is not None]
         if not done:
             return
+        for i in done:
+            self._keep_row(i)
         moves = self.runner.drop(done)
         rows = self.running
         for src, dst in moves:
             rows[dst] = rows[src]
         del rows[len(rows) - len(done) :]
+
+    def _keep_row(self, row: int) -> None:
+        """Store a leaving row's blocks: its prompt and outputs but the last (never fed)."""
+        req = self.running[row]
+        if req.stale_kv or not req.output or not self._context_keys(req):
+            return
+        tokens = [*req.prompt, *req.output[:-1]]
+        keys = block_keys(tokens, req.prompt_keys or ())
+        self.prefix.keep(keys, len(tokens), lambda: self.runner.running_row(row))
