@@ -96,6 +96,7 @@ class ModelRunner:
         self.cache: PaddedBatchCache | None = None
         self._num_layers = 0
         self._cache_kwarg = "cache"
+        self._row_padding = invariance.RowPadding(1)  # load() probes the real block
 
     def load(self) -> None:
         """Load the weights, read vocab size and eos ids, and warm up."""
@@ -111,7 +112,9 @@ class ModelRunner:
             self.model_dir, dtype=self.dtype, attn_implementation=invariance.ATTENTION
         )
         model.to(self.device).eval()
-        invariance.pad_linear_rows(model, invariance.gemm_row_block(self.device))
+        self._row_padding = invariance.pad_linear_rows(
+            model, invariance.gemm_row_block(self.device)
+        )
         text_config = model.config.get_text_config(decoder=True)
         layer_types = getattr(text_config, "layer_types", None) or []
         if any(t != "full_attention" for t in layer_types):
@@ -229,6 +232,7 @@ class ModelRunner:
             DynamicCache(ddp_cache_data=_padded_past(pasts, cached)) if c_max else DynamicCache()
         )
         wants_prompt = group[0].wants_prompt_logprobs
+        self._row_padding.active = group[0].seeded  # a seeded request is prefilled alone
         last_logits, hidden = self._prefill_forward(
             group, ids, mask, positions, cache, wants_prompt
         )
@@ -319,6 +323,7 @@ class ModelRunner:
         ).unsqueeze(1)
         # Seeded rows attend over exactly their own tokens (see invariance.py).
         exact = tuple((i, len(r.prompt) + len(r.output)) for i, r in enumerate(rows) if r.seeded)
+        self._row_padding.active = bool(exact)
         out = self.model(
             input_ids=ids,
             attention_mask=attention_mask,
