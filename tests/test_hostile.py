@@ -186,7 +186,10 @@ def test_sigterm_lets_requests_finish_then_aborts_and_exits_0(tmp_path: Path) ->
                         lines[name].append(line)
 
         def not_streamed() -> None:
-            body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 8000}}
+            body = {
+                "token_ids": [1, 2, 3],
+                "sampling_params": {"max_tokens": 8000, "ignore_eos": True},
+            }
             with server.client() as own:
                 response = own.post("/inference/v1/generate", json={**body, "request_id": "w"})
                 whole.update(status=response.status_code, body=response.json())
