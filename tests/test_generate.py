@@ -177,6 +177,7 @@ def test_concurrent_requests_do_not_leak(smollm2: httpx.Client, paris_ids: list[
     assert together == alone
 
 
+@pytest.mark.hf_only  # the hf engine's own guarantee / gauge
 def test_seeded_sampling_is_batch_invariant(smollm2: httpx.Client, paris_ids: list[int]) -> None:
     """Same seed, same ids, whatever else runs: seeded temperature-1 requests alone and among
     13 unseeded or greedy others with longer prompts (padding, other GEMM shapes). Before the
@@ -267,6 +268,7 @@ def test_disconnect_frees_the_engine_slot(smollm2_server, paris_ids: list[int]) 
         wait_until_idle(client)
 
 
+@pytest.mark.hf_only  # the hf engine's own guarantee / gauge
 def test_idle_engine_frees_its_kv_buffers(smollm2_server, paris_ids: list[int]) -> None:
     """The running batch's KV buffers are sized for its peak; an idle engine gives them back."""
     body = {
