@@ -10,19 +10,13 @@ free pages back; it runs only on the busy -> idle edge, so decoding never pays f
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import logging
 from collections.abc import Callable
-
-logger = logging.getLogger(__name__)
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
+    # The process's own symbols: libc is loaded already (find_library would run ldconfig).
     try:
-        trim = ctypes.CDLL(name).malloc_trim
+        trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
         return None
     trim.argtypes = [ctypes.c_size_t]
