@@ -1,7 +1,9 @@
 """The contract between the api layer and any engine (hf on CPU/CUDA, remote, vllm).
 
-The api layer only ever sees these types. One engine request is one sequence: the api layer fans
-a request with ``n > 1`` out into ``n`` engine requests.
+The pipeline only ever sees these types. One engine request is one sequence: the pipeline's
+generation job makes one per choice. Requests arrive checked (``pipeline.validation``: prompt ids
+in the vocabulary, prompt + ``max_tokens`` within the context), so engines do not check them
+again; they check only what is theirs (media tensors, duplicate ids, being up).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenwire.engine.stopping import StopReason, ends_with_stop_token
 from tokenwire.parsers import (
     MessageDelta,
     ParseState,
@@ -35,8 +36,6 @@ from tokenwire.parsers import (
 from tokenwire.text.logprob_json import chat_logprobs_json_from, completion_logprobs_from
 from tokenwire.text.token_table import DecodeContext
 from tokenwire.text.token_text import LogprobInput, TokenTextDecoder
-
-StopReason = int | str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,21 +211,6 @@ class ChoiceDecoder:
         )
         return cls(decoder, eos_token_ids, options, parsing, state)
 
-    def ends_with_stop_token(
-        self, token_ids: Sequence[int], finish_reason: str | None, stop_reason: StopReason
-    ) -> bool:
-        """Whether the last id is the stop token that ended the choice.
-
-        Engines say so in ``stop_reason`` (the stop token id; None for eos). A client that sent
-        no ``stop_reason`` gets the same answer from the request's stop token ids and eos.
-        """
-        if finish_reason != "stop" or not token_ids or isinstance(stop_reason, str):
-            return False
-        last = token_ids[-1]
-        if stop_reason is not None:
-            return last == stop_reason
-        return last in self.eos_token_ids or last in self.options.stop_token_ids
-
     def step(
         self,
         token_ids: Sequence[int],
@@ -237,11 +221,46 @@ class ChoiceDecoder:
         completion_logprobs: bool = False,
         final: bool | None = None,
     ) -> ChoiceStep:
-        """Decode the next ids of the choice. ``final`` (default: a finish_reason came) flushes
-        everything held back. ``ValueError`` for a client's inconsistent input."""
+        """Decode the next ids of a client's choice. ``final`` (default: a finish_reason came)
+        flushes everything held back. ``ValueError`` for a client's inconsistent input."""
+        final = finish_reason is not None if final is None else final
+        ids = list(token_ids)
+        self._check_open()
+        text = self.text(self._text_ids(ids, finish_reason, stop_reason), final, stop_reason)
+        return self.render(ids, text, finish_reason, logprobs, completion_logprobs, final)
+
+    def cut(
+        self, token_ids: Sequence[int], finish_reason: str | None, stop_reason: StopReason
+    ) -> tuple[int, str]:
+        """Decode a generation's next ids token by token, stopping at the one that completes a
+        stop string: how many ids the choice keeps (that token included, as vLLM keeps it) and
+        the visible text they add. Without stop strings the ids are decoded in one piece."""
+        self._check_open()
+        final = finish_reason is not None
+        text_ids = self._text_ids(token_ids, finish_reason, stop_reason)
+        if not self.options.stop_strings:
+            return len(token_ids), self.text(text_ids, final)
+        pieces = []
+        for position, token_id in enumerate(text_ids):
+            pieces.append(self.text([token_id], False))
+            if self.state.stop is not None:
+                return position + 1, "".join(pieces)
+        if final:
+            pieces.append(self.text((), True))
+        return len(token_ids), "".join(pieces)
+
+    def render(
+        self,
+        token_ids: Sequence[int],
+        text: str,
+        finish_reason: str | None,
+        logprobs: LogprobInput | None = None,
+        completion_logprobs: bool = False,
+        final: bool | None = None,
+    ) -> ChoiceStep:
+        """What the client reads for ids whose visible ``text`` is known (``cut`` or ``text``):
+        logprob token texts, reasoning and tool calls, and the finish reason."""
         state = self.state
-        if state.finished:
-            raise ValueError("this choice's stream is already finished")
         final = finish_reason is not None if final is None else final
         ids = list(token_ids)
         step_logprobs: bytes | dict[str, Any] | None = None
@@ -253,8 +272,6 @@ class ChoiceDecoder:
             )
         else:  # keep the logprob decoder in step for later chunks that do ask for logprobs
             state.logprob_context = self.decoder.advance(ids, state.logprob_context, final=final)
-        text_ids = ids[:-1] if self.ends_with_stop_token(ids, finish_reason, stop_reason) else ids
-        text = self.text(text_ids, final=final, stop_reason=stop_reason)
         message = advance_text(
             state.parse,
             text,
@@ -272,11 +289,25 @@ class ChoiceDecoder:
             finish_reason = "tool_calls"
         return ChoiceStep(message, first, finish_reason, step_logprobs)
 
-    def text(self, token_ids: Sequence[int], *, final: bool, stop_reason: StopReason = None) -> str:
-        """The visible text these ids add: special tokens and stop strings applied.
+    def _check_open(self) -> None:
+        if self.state.finished:
+            raise ValueError("this choice's stream is already finished")
 
-        Also what the generation job feeds token by token to find where a stop string ends.
-        """
+    def _text_ids(
+        self, token_ids: Sequence[int], finish_reason: str | None, stop_reason: StopReason
+    ) -> Sequence[int]:
+        """The ids that make text: all but the stop token that ended the choice."""
+        ends = ends_with_stop_token(
+            token_ids,
+            finish_reason,
+            stop_reason,
+            eos_token_ids=self.eos_token_ids,
+            stop_token_ids=self.options.stop_token_ids,
+        )
+        return token_ids[:-1] if ends else token_ids
+
+    def text(self, token_ids: Sequence[int], final: bool, stop_reason: StopReason = None) -> str:
+        """The visible text these ids add: special tokens and stop strings applied."""
         state = self.state
         piece, state.text_context = self.decoder.decode_stream(
             token_ids,

@@ -39,8 +39,13 @@ def decode_choice(
     completion_logprobs: bool = False,
     decoder: ChoiceDecoder | None = None,
     final: bool = True,
+    top_width: int | None = None,
 ) -> ChoiceStep:
-    """One client-sent choice (or chunk of one) through its decoder, checked first."""
+    """One client-sent choice (or chunk of one) through its decoder, checked first.
+
+    ``top_width``: the alternatives the original request asked for (None: as sent). Generate
+    lists at least the sampled token; a request for none shows none, as the OpenAI routes do.
+    """
     where = f"choice {position}"
     ids = choice.token_ids or []
     if final or ids:
@@ -48,6 +53,8 @@ def decode_choice(
     logprobs: LogprobInput | None = None
     if choice.logprobs is not None and choice.logprobs.content is not None:
         logprobs = logprob_columns(choice.logprobs.content, ids, where)
+        if top_width is not None:
+            logprobs = logprobs.with_top_width(top_width)
     try:
         if decoder is None:
             decoder = ChoiceDecoder.start(
@@ -104,7 +111,15 @@ async def derender_chat(pipeline: Pipeline, body: ChatDerenderRequest) -> dict[s
     def decode_all() -> list[dict[str, Any]]:
         choices = []
         for position, choice in enumerate(response.choices):
-            step = decode_choice(runtime, choice, position, options, parsing, body.prompt_token_ids)
+            step = decode_choice(
+                runtime,
+                choice,
+                position,
+                options,
+                parsing,
+                body.prompt_token_ids,
+                top_width=chat.num_logprobs if chat is not None else None,
+            )
             choices.append(
                 {
                     "index": choice.index,
@@ -135,7 +150,8 @@ async def derender_completion(
     pipeline: Pipeline, body: CompletionDerenderRequest
 ) -> dict[str, Any]:
     runtime = pipeline.ready(body.model)
-    options = DecodeOptions.of(body.completion_request)
+    request = body.completion_request
+    options = DecodeOptions.of(request)
     prompt_total = 0
     completion_tokens = 0
     for response_index, response in enumerate(body.generate_responses):
@@ -159,6 +175,7 @@ async def derender_completion(
                     Parsing(),
                     prompt_ids,
                     completion_logprobs=True,
+                    top_width=request.logprobs if request is not None else None,
                 )
                 choices.append(
                     {

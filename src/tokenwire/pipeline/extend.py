@@ -24,7 +24,7 @@ from tokenwire.pipeline.chat_render import render_template_text
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.offload import run_text_work
-from tokenwire.pipeline.render import chat_request_id, chat_sampling, generate_request_json
+from tokenwire.pipeline.render import chat_request_id, chat_request_prompt, generate_request_json
 from tokenwire.pipeline.validation import check_token_ids
 from tokenwire.protocol.chat import ChatMessage
 from tokenwire.protocol.extend import ExtendRequest
@@ -80,10 +80,10 @@ async def extend_chat(pipeline: Pipeline, body: ExtendRequest) -> dict[str, Any]
     size = sum(len(str(m.content or "")) for m in [*body.previous_messages, *body.messages])
     renders = await _renders(pipeline, runtime, body)
     result = await run_text_work(size, lambda: extend_ids(pipeline, runtime, body, renders))
-    sampling = chat_sampling(pipeline, runtime, body, result.token_ids, param="previous_token_ids")
-    response = generate_request_json(
-        pipeline, chat_request_id(body), result.token_ids, sampling, body
+    prompt = chat_request_prompt(
+        pipeline, runtime, body, result.token_ids, param="previous_token_ids"
     )
+    response = generate_request_json(pipeline, chat_request_id(body), prompt, body)
     response.update(extended=result.extended, reason=result.reason, kept_tokens=result.kept_tokens)
     return response
 

@@ -1,19 +1,20 @@
-"""/inference/v1/generate: token ids in, token ids and logprobs out; and aborting by id."""
+"""/inference/v1/generate: token ids in, token ids and logprobs out; and starting any job."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from tokenwire.engine.base import MultiModalInput
+from tokenwire.engine.base import SamplingParams
+from tokenwire.pipeline.choice import Choice, ChoiceDelta, ChoiceRequest, engine_request_id
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.control import admit
-from tokenwire.pipeline.decoder import PLAIN, ChoiceDecoder, DecodeOptions
-from tokenwire.pipeline.jobs import ChoiceResult, GenerationJob, add_weight_span
+from tokenwire.pipeline.decoder import PLAIN, ChoiceDecoder, DecodeOptions, Parsing
+from tokenwire.pipeline.jobs import GenerationJob
 from tokenwire.pipeline.logprobs import prompt_logprobs_json, token_logprobs_json
 from tokenwire.pipeline.response_json import usage_json
-from tokenwire.pipeline.validation import check_n, check_prompt
+from tokenwire.pipeline.validation import ValidPrompt, valid_prompt
 from tokenwire.protocol.generate import GenerateRequest, SamplingParamsModel
 
 
@@ -21,35 +22,63 @@ def start_job(
     pipeline: Pipeline,
     runtime: ModelRuntime,
     request_id: str,
-    prompt_ids: list[int],
-    params: SamplingParamsModel,
-    media: MultiModalInput | None = None,
+    prompts: Sequence[ValidPrompt],
+    *,
+    parsing: Parsing | None = None,
 ) -> GenerationJob:
-    """Check the request against the model and register the job so it can be aborted by id."""
+    """Start the choices of checked prompts, registered so they can be aborted by id.
+
+    ``parsing``: how the route reads the choices' text (None: it reads none; stop strings are
+    still found, by a decoder made for them alone).
+    """
     admit(pipeline)
-    check_n(pipeline.config, params.n)
-    max_tokens = check_prompt(runtime, prompt_ids, params.max_tokens, param="token_ids")
-    job = GenerationJob(
-        runtime.engine,
-        request_id,
-        prompt_ids,
-        params,
-        max_tokens=max_tokens,
-        media=media,
-        stop_decoder=_stop_decoder(runtime, prompt_ids, params),
-    )
+    choices: list[Choice] = []
+    for prompt in prompts:
+        params = prompt.sampling
+        options = DecodeOptions.of(params)
+        for sample in range(params.n):
+            request = ChoiceRequest(
+                engine_request_id(request_id),
+                prompt.token_ids,
+                engine_sampling(params, sample),
+                prompt.media,
+            )
+            decoder = None
+            if parsing is not None or options.stop_strings:
+                decoder = ChoiceDecoder.start(
+                    runtime.decoder,
+                    runtime.eos_token_ids,
+                    options,
+                    parsing or PLAIN,
+                    prompt.token_ids,
+                )
+            choices.append(Choice(len(choices), sample, request, decoder))
+    job = GenerationJob(runtime.engine, request_id, choices)
     pipeline.jobs.add(job)
     return job
 
 
-def _stop_decoder(
-    runtime: ModelRuntime, prompt_ids: list[int], params: SamplingParamsModel
-) -> Callable[[], ChoiceDecoder] | None:
-    options = DecodeOptions.of(params)
-    if not options.stop_strings:
-        return None
-    return lambda: ChoiceDecoder.start(
-        runtime.decoder, runtime.eos_token_ids, options, PLAIN, prompt_ids
+def engine_sampling(params: SamplingParamsModel, sample: int) -> SamplingParams:
+    """The engine's view of one choice; choice i > 0 of a seeded request uses seed + i."""
+    assert params.max_tokens is not None, "validation resolves max_tokens"
+    seed = params.seed if params.seed is None else params.seed + sample
+    mode = "processed_logprobs" if params.logprobs_mode.startswith("processed") else "raw_logprobs"
+    return SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else 0,
+        min_p=params.min_p,
+        seed=seed,
+        min_tokens=params.min_tokens,
+        stop_token_ids=tuple(params.stop_token_ids or ()),
+        ignore_eos=params.ignore_eos,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        logprobs=params.num_logprobs,
+        prompt_logprobs=params.num_prompt_logprobs,
+        logprobs_mode=mode,
     )
 
 
@@ -60,6 +89,7 @@ class Generation:
         self.pipeline = pipeline
         self.job = job
         self.body = body
+        self.num_top = body.sampling_params.num_logprobs or 0
 
     @property
     def request_id(self) -> str:
@@ -68,21 +98,16 @@ class Generation:
     async def response(self) -> dict[str, Any]:
         job = self.job
         try:
-            results = await job.collect()
+            choices = await job.run()
         finally:
             self.pipeline.jobs.remove(job)
-        num_top = job.params.num_logprobs or 0
         return {
             "request_id": job.request_id,
             "model": self.pipeline.config.served_name,
             "created": int(time.time()),
-            "usage": usage_json(
-                len(job.prompt_ids),
-                sum(len(r.token_ids) for r in results),
-                job.num_cached_tokens,
-            ),
-            "choices": [_choice_json(result, num_top) for result in results],
-            "prompt_logprobs": prompt_logprobs_json(job.prompt_ids, job.prompt_logprobs),
+            "usage": usage_json(job.prompt_tokens, job.completion_tokens, job.cached_tokens),
+            "choices": [self._choice_json(choice) for choice in choices],
+            "prompt_logprobs": self._prompt_logprobs_json(),
         }
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
@@ -91,38 +116,18 @@ class Generation:
         options = self.body.stream_options
         include_usage = options is not None and options.include_usage
         continuous = options is not None and options.continuous_usage_stats
-        num_top = job.params.num_logprobs or 0
-        wants_logprobs = job.params.num_logprobs is not None
-        prompt_tokens = len(job.prompt_ids)
-        completion_tokens = 0
-        # Per choice: (tokens so far, weight version spans), sent with its final chunk.
-        produced = [0] * job.params.n
-        spans: list[list[dict[str, Any]]] = [[] for _ in range(job.params.n)]
+        sent_prompt_logprobs = False
         try:
             async for delta in job.deltas():
-                output = delta.output
-                index = delta.index
-                completion_tokens += len(output.new_token_ids)
-                add_weight_span(spans[index], output, produced[index])
-                produced[index] += len(output.new_token_ids)
-                choice: dict[str, Any] = {
-                    "index": index,
-                    "token_ids": output.new_token_ids,
-                    "logprobs": token_logprobs_json(output.logprobs or [], num_top)
-                    if wants_logprobs
-                    else None,
-                    "finish_reason": output.finish_reason,
-                    "stop_reason": output.stop_reason,
+                chunk: dict[str, Any] = {
+                    "request_id": job.request_id,
+                    "choices": [self._delta_json(delta)],
                 }
-                if output.finish_reason is not None:
-                    choice["weight_versions"] = spans[index]
-                chunk: dict[str, Any] = {"request_id": job.request_id, "choices": [choice]}
-                if output.prompt_logprobs is not None:
-                    chunk["prompt_logprobs"] = prompt_logprobs_json(
-                        job.prompt_ids, output.prompt_logprobs
-                    )
+                if not sent_prompt_logprobs and delta.choice.prompt_logprobs is not None:
+                    sent_prompt_logprobs = True
+                    chunk["prompt_logprobs"] = self._prompt_logprobs_json()
                 if continuous:
-                    chunk["usage"] = usage_json(prompt_tokens, completion_tokens)
+                    chunk["usage"] = usage_json(job.prompt_tokens, job.completion_tokens)
                 yield chunk
         finally:
             self.pipeline.jobs.remove(job)
@@ -130,8 +135,43 @@ class Generation:
             yield {
                 "request_id": job.request_id,
                 "choices": [],
-                "usage": usage_json(prompt_tokens, completion_tokens, job.num_cached_tokens),
+                "usage": usage_json(job.prompt_tokens, job.completion_tokens, job.cached_tokens),
             }
+
+    def _prompt_logprobs_json(self) -> list[Any] | None:
+        """The prompt's logprobs, from whichever of its choices the engine scored it with."""
+        for choice in self.job.choices:
+            if choice.prompt_logprobs is not None:
+                return prompt_logprobs_json(choice.prompt_ids, choice.prompt_logprobs)
+        return None
+
+    def _logprobs_json(self, choice: Choice, entries: Sequence[Any] | None) -> Any:
+        if choice.logprobs is None:
+            return None
+        return token_logprobs_json(entries or [], self.num_top)
+
+    def _delta_json(self, delta: ChoiceDelta) -> dict[str, Any]:
+        choice = delta.choice
+        result: dict[str, Any] = {
+            "index": choice.index,
+            "token_ids": delta.token_ids,
+            "logprobs": self._logprobs_json(choice, delta.logprobs),
+            "finish_reason": delta.finish_reason,
+            "stop_reason": delta.stop_reason,
+        }
+        if delta.finish_reason is not None:
+            result["weight_versions"] = choice.weight_versions.spans
+        return result
+
+    def _choice_json(self, choice: Choice) -> dict[str, Any]:
+        return {
+            "index": choice.index,
+            "token_ids": choice.token_ids,
+            "logprobs": self._logprobs_json(choice, choice.logprobs),
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+            "weight_versions": choice.weight_versions.spans,
+        }
 
 
 async def start_generation(
@@ -150,18 +190,13 @@ async def start_generation(
     else:
         prompt_ids = prompt.token_ids
         media = prompt.engine_input() if prompt.items else None
-    job = start_job(pipeline, runtime, request_id, prompt_ids, body.sampling_params, media)
+    checked = valid_prompt(
+        pipeline.config,
+        runtime,
+        prompt_ids,
+        body.sampling_params,
+        param="token_ids",
+        media=media,
+    )
+    job = start_job(pipeline, runtime, request_id, [checked])
     return Generation(pipeline, job, body)
-
-
-def _choice_json(result: ChoiceResult, num_top: int) -> dict[str, Any]:
-    return {
-        "index": result.index,
-        "token_ids": result.token_ids,
-        "logprobs": None
-        if result.logprobs is None
-        else token_logprobs_json(result.logprobs, num_top),
-        "finish_reason": result.finish_reason,
-        "stop_reason": result.stop_reason,
-        "weight_versions": result.weight_versions,
-    }

@@ -1,11 +1,14 @@
 """Engine logprobs -> vLLM's JSON, and into the columns the token-text decoder reads.
 
-Generate answers with ``token_id:N`` placeholders (the sampled token first, as vLLM does);
-derender and the OpenAI routes resolve them to exact token texts through ``ChoiceDecoder``.
+One rule picks the alternatives of a position on every route (vLLM's): the sampled token first,
+then the most likely others, ``width`` entries in all. Generate answers with ``token_id:N``
+placeholders; derender and the OpenAI routes resolve them to exact token texts through
+``ChoiceDecoder``.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,23 +16,33 @@ from tokenwire.engine.base import TokenLogprob
 from tokenwire.text.token_text import LogprobInput, json_logprob
 
 
-def token_logprobs_json(entries: Sequence[TokenLogprob], num_top: int) -> dict[str, Any]:
-    """``{"content": [...]}`` with max(k, 1) top entries each, the sampled token first.
+def alternatives(entry: TokenLogprob, width: int) -> list[tuple[int, float, int]]:
+    """(token id, logprob, rank) of a position's alternatives: the sampled token first, then
+    the most likely others, ``width`` in all (fewer when the engine reported fewer)."""
+    if width <= 0:
+        return []
+    chosen = [(entry.token_id, entry.logprob, entry.rank)]
+    others = (
+        (token_id, logprob, rank)
+        for rank, (token_id, logprob) in enumerate(entry.top, start=1)
+        if token_id != entry.token_id
+    )
+    return chosen + list(itertools.islice(others, width - 1))
 
-    Each entry carries both the ``token`` placeholder (renderers, AReaL) and ``token_id``
-    (vLLM 0.32+).
-    """
-    width = max(num_top, 1)
+
+def generate_width(num_logprobs: int) -> int:
+    """Generate lists max(k, 1) alternatives: ``logprobs: 0`` still shows the sampled token."""
+    return max(num_logprobs, 1)
+
+
+def token_logprobs_json(entries: Sequence[TokenLogprob], num_top: int) -> dict[str, Any]:
+    """``{"content": [...]}`` as generate answers it; each entry carries both the ``token``
+    placeholder (renderers, AReaL) and ``token_id`` (vLLM 0.32+)."""
+    width = generate_width(num_top)
     content = []
     for entry in entries:
-        chosen = _placeholder(entry.token_id, entry.logprob, entry.rank)
-        top = [chosen]
-        for rank, (token_id, logprob) in enumerate(entry.top, start=1):
-            if len(top) >= width:
-                break
-            if token_id != entry.token_id:
-                top.append(_placeholder(token_id, logprob, rank))
-        content.append({**chosen, "top_logprobs": top})
+        top = [_placeholder(*alt) for alt in alternatives(entry, width)]
+        content.append({**top[0], "top_logprobs": top})
     return {"content": content}
 
 
@@ -69,11 +82,12 @@ def prompt_logprobs_json(
     return result
 
 
-def engine_logprob_columns(entries: Sequence[TokenLogprob], num_top: int) -> LogprobInput:
-    """An engine's logprobs in the decoder's columns, ``num_top`` alternatives each."""
+def engine_logprob_columns(entries: Sequence[TokenLogprob], width: int) -> LogprobInput:
+    """An engine's logprobs in the decoder's columns, ``width`` alternatives each."""
+    rows = [alternatives(entry, width) for entry in entries]
     return LogprobInput(
         token_ids=[entry.token_id for entry in entries],
         logprobs=[entry.logprob for entry in entries],
-        top_ids=[[token_id for token_id, _ in entry.top[:num_top]] for entry in entries],
-        top_logprobs=[[logprob for _, logprob in entry.top[:num_top]] for entry in entries],
+        top_ids=[[token_id for token_id, _, _ in row] for row in rows],
+        top_logprobs=[[logprob for _, logprob, _ in row] for row in rows],
     )

@@ -11,12 +11,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from tokenwire.engine.base import MultiModalInput
 from tokenwire.pipeline.chat_render import RenderedChat, render_chat
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.offload import run_text_work
-from tokenwire.pipeline.validation import check_n, request_sampling
-from tokenwire.protocol.generate import SamplingParamsModel
+from tokenwire.pipeline.validation import ValidPrompt, request_prompt
 from tokenwire.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 
@@ -26,14 +26,7 @@ class ChatPrompt:
 
     request_id: str
     rendered: RenderedChat
-    sampling: SamplingParamsModel
-
-
-@dataclass(slots=True)
-class CompletionPrompt:
-    request_id: str
-    token_ids: list[int]
-    sampling: SamplingParamsModel
+    prompt: ValidPrompt
 
 
 async def chat_prompt(
@@ -42,39 +35,52 @@ async def chat_prompt(
     rendered = await render_chat(
         pipeline, runtime, body, add_special_tokens=body.add_special_tokens
     )
-    sampling = chat_sampling(pipeline, runtime, body, rendered.token_ids, param="messages")
-    return ChatPrompt(chat_request_id(body), rendered, sampling)
+    media = rendered.media
+    prompt = chat_request_prompt(
+        pipeline,
+        runtime,
+        body,
+        rendered.token_ids,
+        param="messages",
+        media=media.engine_input() if media is not None else None,
+    )
+    return ChatPrompt(chat_request_id(body), rendered, prompt)
 
 
-def chat_sampling(
+def chat_request_prompt(
     pipeline: Pipeline,
     runtime: ModelRuntime,
     body: ChatCompletionRequest,
     token_ids: list[int],
     *,
     param: str,
-) -> SamplingParamsModel:
-    """A chat request's sampling params for the prompt ``token_ids`` (checked against it)."""
-    sampling = request_sampling(
+    media: MultiModalInput | None = None,
+) -> ValidPrompt:
+    """A chat request's prompt ``token_ids`` with its sampling params, checked."""
+    return request_prompt(
+        pipeline.config,
         runtime,
         body,
         token_ids,
         max_tokens=body.requested_max_tokens,
         logprobs=body.num_logprobs,
         param=param,
+        media=media,
     )
-    check_n(pipeline.config, sampling.n)
-    return sampling
 
 
 def chat_request_id(body: ChatCompletionRequest) -> str:
     return body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
 
 
+def completion_request_id(body: CompletionRequest) -> str:
+    return body.request_id or f"cmpl-{uuid.uuid4().hex}"
+
+
 async def completion_prompts(
     pipeline: Pipeline, runtime: ModelRuntime, body: CompletionRequest
-) -> list[CompletionPrompt]:
-    """One prompt per entry of ``prompt``; ids ``<base>-<i>`` when there are several."""
+) -> list[ValidPrompt]:
+    """One checked prompt per entry of ``prompt``."""
     tokenizer = runtime.tokenizer
     add_special = body.add_special_tokens
 
@@ -87,22 +93,21 @@ async def completion_prompts(
         ]
 
     all_ids = await run_text_work(sum(len(p) for p in body.prompts), encode)
-    base_id = body.request_id or f"cmpl-{uuid.uuid4().hex}"
     prompts = []
     for index, token_ids in enumerate(all_ids):
         if not token_ids:
             raise InvalidRequest(f"prompt {index} is empty after tokenization", "prompt")
-        sampling = request_sampling(
-            runtime,
-            body,
-            token_ids,
-            max_tokens=body.max_tokens,
-            logprobs=body.logprobs,
-            param="prompt",
+        prompts.append(
+            request_prompt(
+                pipeline.config,
+                runtime,
+                body,
+                token_ids,
+                max_tokens=body.max_tokens,
+                logprobs=body.logprobs,
+                param="prompt",
+            )
         )
-        check_n(pipeline.config, sampling.n)
-        request_id = base_id if len(all_ids) == 1 else f"{base_id}-{index}"
-        prompts.append(CompletionPrompt(request_id, token_ids, sampling))
     return prompts
 
 
@@ -115,14 +120,7 @@ async def render_chat_request(pipeline: Pipeline, body: ChatCompletionRequest) -
     if media is not None:
         # Serialising pixel tensors is CPU work of milliseconds: off the event loop.
         features = await asyncio.to_thread(runtime.media.features_json, media)
-    return generate_request_json(
-        pipeline,
-        prompt.request_id,
-        prompt.rendered.token_ids,
-        prompt.sampling,
-        body,
-        features,
-    )
+    return generate_request_json(pipeline, prompt.request_id, prompt.prompt, body, features)
 
 
 async def render_completion_request(
@@ -131,25 +129,28 @@ async def render_completion_request(
     """/v1/completions/render: one GenerateRequest per prompt."""
     runtime = pipeline.ready(body.model)
     prompts = await completion_prompts(pipeline, runtime, body)
+    # One GenerateRequest per prompt; ids ``<base>-<i>`` when there are several.
+    base_id = completion_request_id(body)
     return [
-        generate_request_json(pipeline, p.request_id, p.token_ids, p.sampling, body)
-        for p in prompts
+        generate_request_json(
+            pipeline, base_id if len(prompts) == 1 else f"{base_id}-{i}", prompt, body
+        )
+        for i, prompt in enumerate(prompts)
     ]
 
 
 def generate_request_json(
     pipeline: Pipeline,
     request_id: str,
-    token_ids: list[int],
-    sampling: SamplingParamsModel,
+    prompt: ValidPrompt,
     body: SamplingFields,
     features: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "request_id": request_id,
-        "token_ids": token_ids,
+        "token_ids": prompt.token_ids,
         "features": features,
-        "sampling_params": sampling.model_dump(exclude_none=True, exclude_defaults=False),
+        "sampling_params": prompt.sampling.model_dump(exclude_none=True, exclude_defaults=False),
         "model": pipeline.config.served_name,
         "stream": body.stream,
         "stream_options": body.stream_options.model_dump() if body.stream_options else None,

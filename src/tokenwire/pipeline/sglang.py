@@ -10,44 +10,35 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tokenwire.engine.base import EngineOutput, TokenLogprob
+from tokenwire.pipeline.choice import Choice, ChoiceDelta
 from tokenwire.pipeline.context import Pipeline
-from tokenwire.pipeline.decoder import PLAIN, ChoiceDecoder, DecodeOptions
+from tokenwire.pipeline.decoder import PLAIN
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.generate import start_job
-from tokenwire.pipeline.jobs import GenerationJob, add_weight_span
-from tokenwire.pipeline.logprobs import engine_logprob_columns
+from tokenwire.pipeline.jobs import GenerationJob
+from tokenwire.pipeline.logprobs import alternatives, engine_logprob_columns
 from tokenwire.pipeline.offload import run_text_work
+from tokenwire.pipeline.validation import valid_prompt
 from tokenwire.protocol.generate import SamplingParamsModel
 from tokenwire.protocol.sglang import SGLangGenerateRequest
 from tokenwire.text.token_text import json_logprob
 
 
 class SGLangRun:
-    """One ``/generate`` call: its job, its decoder, and what it has produced so far."""
+    """One ``/generate`` call: its job and the logprob rows made so far."""
 
-    def __init__(
-        self,
-        pipeline: Pipeline,
-        job: GenerationJob,
-        decoder: ChoiceDecoder,
-        body: SGLangGenerateRequest,
-    ) -> None:
+    def __init__(self, pipeline: Pipeline, job: GenerationJob, body: SGLangGenerateRequest) -> None:
         self.pipeline = pipeline
         self.job = job
-        self.decoder = decoder
+        self.choice = job.choices[0]
         self.body = body
-        self.text = ""
-        self.output_ids: list[int] = []
         self.logprobs: list[list[Any]] = []
         self.top_logprobs: list[list[list[Any]]] = []
-        self.spans: list[dict[str, Any]] = []
-        self.finish_reason: dict[str, Any] | None = None
 
     async def response(self) -> dict[str, Any]:
         try:
             async for delta in self.job.deltas():
-                self._add(delta.output)
+                self._add(delta)
         finally:
             self.pipeline.jobs.remove(self.job)
         return self._json()
@@ -55,71 +46,66 @@ class SGLangRun:
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         try:
             async for delta in self.job.deltas():
-                self._add(delta.output)
+                self._add(delta)
                 yield self._json()
         finally:
             self.pipeline.jobs.remove(self.job)
 
-    def _add(self, output: EngineOutput) -> None:
-        add_weight_span(self.spans, output, len(self.output_ids))
-        self.output_ids.extend(output.new_token_ids)
-        texts: list[str] | None = None
-        columns = None
-        if self.body.return_logprob:
-            columns = engine_logprob_columns(output.logprobs or [], 0)
-        step = self.decoder.step(
-            output.new_token_ids,
-            finish_reason=output.finish_reason,
-            stop_reason=output.stop_reason,
-            logprobs=columns if self.body.return_text_in_logprobs else None,
+    def _add(self, delta: ChoiceDelta) -> None:
+        """Keep the decoder in step (logprob token texts need it) and the logprob rows."""
+        decoder = self.choice.decoder
+        assert decoder is not None and delta.text is not None, "SGLang jobs decode text"
+        entries = delta.logprobs or []
+        wants_texts = self.body.return_logprob and self.body.return_text_in_logprobs
+        step = decoder.render(
+            delta.token_ids,
+            delta.text,
+            delta.finish_reason,
+            logprobs=engine_logprob_columns(entries, 0) if wants_texts else None,
             completion_logprobs=True,
         )
-        self.text += step.text
-        if isinstance(step.logprobs, dict):
-            texts = step.logprobs["tokens"]
-        if self.body.return_logprob:
-            self._add_logprobs(output.logprobs or [], texts)
-        if output.finish_reason is not None:
-            self.finish_reason = _finish_reason(output, self.output_ids)
-
-    def _add_logprobs(self, entries: list[TokenLogprob], texts: list[str] | None) -> None:
+        if not self.body.return_logprob:
+            return
+        texts = step.logprobs["tokens"] if isinstance(step.logprobs, dict) else None
         width = self.body.top_logprobs_num
         for position, entry in enumerate(entries):
             text = texts[position] if texts is not None else None
             self.logprobs.append([json_logprob(entry.logprob), entry.token_id, text])
             if width:
                 self.top_logprobs.append(
-                    [[json_logprob(lp), token_id, None] for token_id, lp in entry.top[:width]]
+                    [
+                        [json_logprob(logprob), token_id, None]
+                        for token_id, logprob, _ in alternatives(entry, width)
+                    ]
                 )
 
     def _json(self) -> dict[str, Any]:
-        job = self.job
+        job, choice = self.job, self.choice
         meta: dict[str, Any] = {
             "id": job.request_id,
-            "finish_reason": self.finish_reason,
-            "prompt_tokens": len(job.prompt_ids),
-            "completion_tokens": len(self.output_ids),
-            "cached_tokens": job.num_cached_tokens,
-            "weight_version": self.spans[-1]["version"] if self.spans else None,
-            "weight_versions": self.spans,
+            "finish_reason": _finish_reason(choice),
+            "prompt_tokens": job.prompt_tokens,
+            "completion_tokens": job.completion_tokens,
+            "cached_tokens": job.cached_tokens,
+            "weight_version": choice.weight_versions.latest,
+            "weight_versions": choice.weight_versions.spans,
         }
         if self.body.return_logprob:
             meta["output_token_logprobs"] = self.logprobs
             if self.body.top_logprobs_num:
                 meta["output_top_logprobs"] = self.top_logprobs
-        return {"text": self.text, "output_ids": self.output_ids, "meta_info": meta}
+        return {"text": choice.text, "output_ids": choice.token_ids, "meta_info": meta}
 
 
-def _finish_reason(output: EngineOutput, output_ids: list[int]) -> dict[str, Any]:
+def _finish_reason(choice: Choice) -> dict[str, Any] | None:
     """SGLang's shape: what matched (a stop token id or string; eos: its id), or the length."""
-    if output.finish_reason == "stop":
-        matched = output.stop_reason
-        if matched is None and output_ids:
-            matched = output_ids[-1]  # eos
-        return {"type": "stop", "matched": matched}
-    if output.finish_reason == "length":
-        return {"type": "length", "length": len(output_ids)}
-    return {"type": "abort", "message": "aborted"}
+    if choice.finish_reason == "stop":
+        return {"type": "stop", "matched": choice.matched_stop}
+    if choice.finish_reason == "length":
+        return {"type": "length", "length": len(choice.token_ids)}
+    if choice.finish_reason == "abort":
+        return {"type": "abort", "message": "aborted"}
+    return None
 
 
 def _sampling(body: SGLangGenerateRequest) -> SamplingParamsModel:
@@ -155,10 +141,7 @@ async def start_sglang_generate(pipeline: Pipeline, body: SGLangGenerateRequest)
     else:
         text = str(body.text)
         prompt_ids = await run_text_work(len(text), lambda: runtime.tokenizer.encode(text))
-    params = _sampling(body)
+    prompt = valid_prompt(pipeline.config, runtime, prompt_ids, _sampling(body), param="input_ids")
     request_id = body.rid or uuid.uuid4().hex
-    job = start_job(pipeline, runtime, request_id, prompt_ids, params)
-    decoder = ChoiceDecoder.start(
-        runtime.decoder, runtime.eos_token_ids, DecodeOptions.of(params), PLAIN, prompt_ids
-    )
-    return SGLangRun(pipeline, job, decoder, body)
+    job = start_job(pipeline, runtime, request_id, [prompt], parsing=PLAIN)
+    return SGLangRun(pipeline, job, body)

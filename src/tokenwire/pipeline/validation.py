@@ -8,8 +8,10 @@ size for every path.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from tokenwire.engine.base import MultiModalInput
 from tokenwire.pipeline.context import ModelRuntime, ServingConfig
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.protocol.generate import SamplingParamsModel
@@ -64,6 +66,33 @@ def check_n(config: ServingConfig, n: int) -> None:
         raise InvalidRequest(f"n must be at most {config.max_n}, got {n}", "n")
 
 
+@dataclass(frozen=True, slots=True)
+class ValidPrompt:
+    """A prompt checked against the model with its sampling params (``max_tokens`` resolved,
+    ``n`` within the limit): what a generation job starts from, and only from this."""
+
+    token_ids: list[int]
+    sampling: SamplingParamsModel
+    media: MultiModalInput | None = None
+
+
+def valid_prompt(
+    config: ServingConfig,
+    runtime: ModelRuntime,
+    token_ids: list[int],
+    sampling: SamplingParamsModel,
+    *,
+    param: str,
+    media: MultiModalInput | None = None,
+) -> ValidPrompt:
+    """A generate request's prompt and ``sampling_params``, checked."""
+    max_tokens = check_prompt(runtime, token_ids, sampling.max_tokens, param=param)
+    check_n(config, sampling.n)
+    if sampling.max_tokens != max_tokens:
+        sampling = sampling.model_copy(update={"max_tokens": max_tokens})
+    return ValidPrompt(token_ids, sampling, media)
+
+
 def check_output_ids(runtime: ModelRuntime, token_ids: Sequence[int] | None, where: str) -> None:
     """Output ids sent back for derendering: present, within the context and the vocabulary."""
     if not token_ids:
@@ -77,7 +106,8 @@ def check_output_ids(runtime: ModelRuntime, token_ids: Sequence[int] | None, whe
     check_token_ids(runtime, token_ids, "token_ids")
 
 
-def request_sampling(
+def request_prompt(
+    config: ServingConfig,
     runtime: ModelRuntime,
     body: SamplingFields,
     token_ids: list[int],
@@ -85,13 +115,16 @@ def request_sampling(
     max_tokens: int | None,
     logprobs: int | None,
     param: str,
-) -> SamplingParamsModel:
-    """The generate ``sampling_params`` of a chat or completion request for this prompt."""
+    media: MultiModalInput | None = None,
+) -> ValidPrompt:
+    """A chat or completion request's prompt with the generate ``sampling_params`` it makes."""
     max_tokens = check_prompt(runtime, token_ids, max_tokens, param=param)
     try:
-        return body.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+        sampling = body.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from exc
+    check_n(config, sampling.n)
+    return ValidPrompt(token_ids, sampling, media)
 
 
 def logprob_columns(content: list[Any], token_ids: Sequence[int], where: str) -> LogprobInput:

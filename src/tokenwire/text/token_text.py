@@ -80,6 +80,17 @@ class LogprobInput:
     top_ids: Sequence[Sequence[int]] | None = None
     top_logprobs: Sequence[Sequence[float]] | None = None
 
+    def with_top_width(self, width: int) -> LogprobInput:
+        """The same logprobs with at most ``width`` alternatives per position."""
+        if self.top_ids is None or all(len(row) <= width for row in self.top_ids):
+            return self
+        return LogprobInput(
+            self.token_ids,
+            self.logprobs,
+            [row[:width] for row in self.top_ids],
+            [row[:width] for row in self.top_logprobs or ()],
+        )
+
     @classmethod
     def from_entries(cls, entries: Iterable[LogprobEntry | Sequence[Any]]) -> LogprobInput:
         rows = [LogprobEntry(*entry) for entry in entries]

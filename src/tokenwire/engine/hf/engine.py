@@ -43,7 +43,6 @@ from tokenwire.engine.hf.handoff import (
 from tokenwire.engine.hf.multimodal import RequestMedia, VisionSpec, check_media
 from tokenwire.engine.hf.runner import ModelRunner
 from tokenwire.engine.hf.scheduler import Scheduler
-from tokenwire.engine.limits import check_request
 
 logger = logging.getLogger(__name__)
 
@@ -197,9 +196,6 @@ class HFEngine:
         """Refuse what the engine cannot serve (``EngineError``); return the checked images."""
         if not self.is_ready():
             raise EngineError("the engine is not running")
-        check_request(
-            prompt, sampling, vocab_size=self.vocab_size, max_model_len=self.max_model_len
-        )
         if media is None:
             return None
         if self.vision is None:

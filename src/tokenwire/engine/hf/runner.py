@@ -23,6 +23,7 @@ from tokenwire.engine.hf.mrope import prefill_positions
 from tokenwire.engine.hf.multimodal import RequestMedia, VisionSpec, prefill_media_kwargs
 from tokenwire.engine.hf.prefix_cache import LayerKV, RowKV
 from tokenwire.engine.hf.sampling import RowSampler, SampleResult, sample, token_logprobs
+from tokenwire.engine.stopping import suppressed_ids
 
 # Prompt positions per log_softmax chunk when computing prompt logprobs.
 PROMPT_LOGPROB_CHUNK = 256
@@ -244,9 +245,7 @@ class ModelRunner:
         for req in group:
             if req.sampler is not None:  # recomputed after a pause: same history, same generator
                 continue
-            stops = tuple(req.params.stop_token_ids)
-            if not req.params.ignore_eos:
-                stops += tuple(e for e in self.eos_token_ids if e not in stops)
+            stops = suppressed_ids(req.params, self.eos_token_ids)
             req.sampler = RowSampler.create(
                 req.params, req.prompt, stops, self.vocab_size, self.device
             )

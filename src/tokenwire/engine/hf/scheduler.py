@@ -49,6 +49,7 @@ from tokenwire.engine.hf.handoff import (
 )
 from tokenwire.engine.hf.prefix_cache import BLOCK_TOKENS, LayerKV, PrefixCache, block_keys
 from tokenwire.engine.hf.runner import ModelRunner
+from tokenwire.engine.stopping import check_stop
 
 logger = logging.getLogger(__name__)
 
@@ -403,21 +404,15 @@ class Scheduler:
         return picks
 
     def _finish(self, req: Request, token: int) -> tuple[FinishReason | None, int | None]:
-        """Whether ``token`` ends the request, and its stop reason (see ``EngineOutput``).
-
-        eos is checked before ``stop_token_ids``, as in vLLM: an eos id the request also lists
-        as a stop id reports ``None`` unless ``ignore_eos`` is set.
-        """
-        p = req.params
+        """Whether ``token`` ends the request, and its stop reason (``engine.stopping``)."""
         n = len(req.output)
-        if n >= p.min_tokens:
-            if not p.ignore_eos and token in self.runner.eos_token_ids:
-                return "stop", None
-            if token in p.stop_token_ids:
-                return "stop", token
-        if n >= p.max_tokens or len(req.prompt) + n >= self.max_model_len:
-            return "length", None
-        return None, None
+        return check_stop(
+            token,
+            n,
+            req.params,
+            self.runner.eos_token_ids,
+            context_full=len(req.prompt) + n >= self.max_model_len,
+        )
 
     def _drop_finished(self) -> None:
         """Remove finished rows from the cache and mirror the cache's row moves; their prompt

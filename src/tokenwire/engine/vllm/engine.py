@@ -24,7 +24,6 @@ from tokenwire.engine.base import (
     SamplingParams,
     WeightsError,
 )
-from tokenwire.engine.limits import check_request
 from tokenwire.engine.vllm.config import engine_args, sampling_params
 from tokenwire.engine.vllm.outputs import OutputState
 from tokenwire.engine.vllm.weights import check_fits, checkpoint_layout
@@ -109,9 +108,6 @@ class VLLMEngine:
         prompt = list(prompt_token_ids)
         if not self.is_ready():
             raise EngineError("the engine is not running")
-        check_request(
-            prompt, sampling, vocab_size=self.vocab_size, max_model_len=self.max_model_len
-        )
         if media is not None:
             raise EngineError("--engine vllm takes no image input yet (see docs/api.md)")
         if request_id in self._live:

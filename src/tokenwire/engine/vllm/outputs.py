@@ -9,8 +9,7 @@ Three things differ from what the pipeline expects, and are settled here:
   on the final output. A delta may merge steps of two versions (a slow consumer), so each delta
   is split at the version boundaries the request has seen so far.
 - ``stop_reason``: without a tokenizer in vLLM, eos is one of the stop ids and comes back as the
-  id; tokenwire reports eos as None (vLLM's own answer when it knows eos), unless ``ignore_eos``
-  made it a plain stop id.
+  id; ``engine.stopping`` reports it as the stop rule does (eos: None).
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenwire.engine.base import EngineOutput, FinishReason, SamplingParams, TokenLogprob
+from tokenwire.engine.stopping import reported_stop_reason
 
 # (version, index of the first output token it sampled), in order.
 VersionStarts = list[tuple[str, int]]
@@ -90,7 +90,9 @@ class OutputState:
         if completion.finish_reason is not None:
             last = pieces[-1]
             last.finish_reason = _finish_reason(completion.finish_reason)
-            last.stop_reason = self._stop_reason(last.finish_reason, completion.stop_reason)
+            last.stop_reason = reported_stop_reason(
+                last.finish_reason, completion.stop_reason, self.sampling, self.eos_token_ids
+            )
         self.num_tokens += len(tokens)
         return pieces
 
@@ -122,17 +124,6 @@ class OutputState:
             if start <= index:
                 version = name
         return version
-
-    def _stop_reason(self, finish: FinishReason, reason: int | str | None) -> int | str | None:
-        if finish != "stop" or reason is None:
-            return None
-        if (
-            isinstance(reason, int)
-            and reason in self.eos_token_ids
-            and not self.sampling.ignore_eos
-        ):
-            return None  # eos, as vLLM reports it when it knows eos
-        return reason
 
 
 def _finish_reason(reason: str) -> FinishReason:
