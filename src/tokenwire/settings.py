@@ -13,7 +13,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tokenwire.engine.factory import DEFAULT_PREFIX_CACHE_BYTES, ENGINE_KINDS, EngineKind
+from tokenwire.engine.defaults import DEFAULT_PREFIX_CACHE_BYTES
+from tokenwire.engine.factory import ENGINE_KINDS, EngineKind
 from tokenwire.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
 
 if TYPE_CHECKING:
