@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from tokenwire.engine.factory import DEFAULT_PREFIX_CACHE_BYTES, ENGINE_KINDS, EngineKind
+from tokenwire.engine.defaults import DEFAULT_PREFIX_CACHE_BYTES
+from tokenwire.engine.factory import ENGINE_KINDS, EngineKind
 from tokenwire.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
 
 if TYPE_CHECKING:
@@ -21,45 +22,96 @@ if TYPE_CHECKING:
     from tokenwire.text.chat_template import TemplateLimits
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+_FLAG = "flag"  # the ``Settings`` field metadata key that holds a field's ``Flag``
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """How a ``Settings`` field is set: its ``--flag``, whose default ``TOKENWIRE_<FLAG>`` sets."""
+
+    option: str | None = None  # when not the field's name, dashed
+    type: Callable[[str], Any] | None = None  # parses the flag's and the variable's text
+    choices: Sequence[str] | None = None
+    help: str | None = None
+    switch: bool = False  # a bare flag; the variable is on for 1, true, yes or on
+    many: bool = False  # one or more strings; the variable separates them with commas
+
+
+def flag(default: object, **spec: Any) -> Any:
+    """A ``Settings`` field with its default and its ``Flag``."""
+    return field(default=default, metadata={_FLAG: Flag(**spec)})
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    model: str = DEFAULT_MODEL
-    served_model_name: tuple[str, ...] = ()
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_model_len: int | None = None
-    chat_template: Path | None = None
-    api_key: str | None = None
-    trust_request_chat_template: bool = False
-    request_template_workers: int = 2
-    request_template_timeout_s: float = 5.0
-    request_template_max_chars: int = 4 * 2**20
-    request_template_memory_bytes: int = 2**30
-    max_request_bytes: int = 64 * 2**20
-    request_read_timeout_s: float = 60.0
-    shutdown_timeout_s: float = 30.0
-    log_level: str = "info"
-    max_num_seqs: int = 64
-    max_n: int = 16
-    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
-    reasoning_parser: str | None = None
-    tool_call_parser: str | None = None
-    enable_auto_tool_choice: bool = False
-    allowed_media_domains: tuple[str, ...] | None = None
-    allow_private_media_networks: bool = False
-    media_allow_redirects: bool = False
-    max_media_bytes: int = 20 * 2**20
-    media_timeout_s: float = 10.0
-    allowed_local_media_path: Path | None = None
-    media_cache_bytes: int = 512 * 2**20
-    max_images_per_request: int = 8
-    max_image_pixels_per_request: int = 48 * 2**20
-    device: str | None = None
-    enable_rl_control: bool = False
-    engine: EngineKind = "hf"
-    dtype: str = "auto"
+    """Every ``serve`` setting; a ``flag`` field is one flag (see ``add_serve_arguments``)."""
+
+    model: str = flag(DEFAULT_MODEL, help="HF dir, GGUF file or asset name")
+    served_model_name: tuple[str, ...] = flag((), many=True)
+    host: str = flag("127.0.0.1")
+    port: int = flag(8000, type=int)
+    max_model_len: int | None = flag(None, type=int)
+    chat_template: Path | None = flag(None, type=Path)
+    api_key: str | None = flag(None)
+    trust_request_chat_template: bool = flag(False, switch=True)
+    request_template_workers: int = flag(
+        2, type=int, help="processes rendering request templates; more requests wait"
+    )
+    request_template_timeout_s: float = flag(5.0, type=float)
+    request_template_max_chars: int = flag(
+        4 * 2**20, type=int, help="rendered text and each filter result of a request template"
+    )
+    request_template_memory_bytes: int = flag(2**30, type=int)
+    max_request_bytes: int = flag(64 * 2**20, type=int)
+    request_read_timeout_s: float = flag(
+        60.0, type=float, help="a request body must arrive within this many seconds (else 408)"
+    )
+    shutdown_timeout_s: float = flag(
+        30.0,
+        option="--shutdown-timeout",
+        type=float,
+        help="on SIGTERM, seconds running requests get to finish before they are aborted",
+    )
+    log_level: str = flag(
+        "info", choices=["critical", "error", "warning", "info", "debug", "trace"]
+    )
+    max_num_seqs: int = flag(64, type=int)
+    max_n: int = flag(16, type=int, help="largest n per request")
+    prefix_cache_bytes: int = flag(
+        DEFAULT_PREFIX_CACHE_BYTES,
+        type=int,
+        help="KV the hf engine keeps to reuse repeated prompt prefixes (0: off)",
+    )
+    reasoning_parser: str | None = flag(None, choices=REASONING_PARSER_NAMES)
+    tool_call_parser: str | None = flag(None, choices=TOOL_PARSER_NAMES)
+    enable_auto_tool_choice: bool = flag(False, switch=True)
+    allowed_media_domains: tuple[str, ...] | None = flag(None, many=True)
+    allow_private_media_networks: bool = flag(False, switch=True)
+    media_allow_redirects: bool = flag(False, switch=True)
+    max_media_bytes: int = flag(20 * 2**20, type=int)
+    media_timeout_s: float = flag(10.0, type=float)
+    allowed_local_media_path: Path | None = flag(None, type=Path)
+    media_cache_bytes: int = flag(512 * 2**20, type=int)
+    max_images_per_request: int = flag(8, type=int)
+    max_image_pixels_per_request: int = flag(
+        48 * 2**20,
+        type=int,
+        help="pixels one request may make the server decode (read from image headers first)",
+    )
+    device: str | None = flag(None, help="cpu or cuda (default: cuda if present)")
+    enable_rl_control: bool = flag(
+        False, switch=True, help="serve pause/resume, weight reload and weight version routes"
+    )
+    engine: EngineKind = flag(
+        "hf",
+        choices=ENGINE_KINDS,
+        help="hf (transformers, CPU/CUDA) or vllm (vLLM's AsyncLLM; other vLLM flags pass through)",
+    )
+    dtype: str = flag(
+        "auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and activations (auto: the model's; vLLM's auto is bfloat16 on CPU)",
+    )
     # vLLM engine flags tokenwire does not know, passed through as given (``--engine vllm``).
     engine_args: tuple[str, ...] = ()
 
@@ -113,183 +165,50 @@ def llama_cpp_sdist_override() -> Path | None:
     return Path(env) if env else None
 
 
-def _env(name: str) -> str | None:
-    return os.environ.get(f"TOKENWIRE_{name.upper()}")
-
-
-def _env_bool(name: str) -> bool:
-    value = _env(name)
-    return value is not None and value.strip().lower() in {"1", "true", "yes", "on"}
+def _flags() -> Iterator[tuple[Field[Any], Flag]]:
+    for f in fields(Settings):
+        if _FLAG in f.metadata:
+            yield f, f.metadata[_FLAG]
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """vLLM-style flags; each default may come from ``TOKENWIRE_<FLAG>``."""
-    d = Settings()
-    add = parser.add_argument
-
-    def env_or(name: str, default: object) -> object:
-        value = _env(name)
-        return default if value is None else value
-
-    add("--model", default=env_or("model", d.model), help="HF dir, GGUF file or asset name")
-    add("--served-model-name", nargs="+", default=_split(_env("served_model_name")))
-    add("--host", default=env_or("host", d.host))
-    add("--port", type=int, default=env_or("port", d.port))
-    add("--max-model-len", type=int, default=env_or("max_model_len", None))
-    add("--chat-template", type=Path, default=env_or("chat_template", None))
-    add("--api-key", default=env_or("api_key", None))
-    add(
-        "--trust-request-chat-template",
-        action="store_true",
-        default=_env_bool("trust_request_chat_template"),
-    )
-    add(
-        "--request-template-workers",
-        type=int,
-        default=env_or("request_template_workers", d.request_template_workers),
-        help="processes rendering request templates; more requests wait",
-    )
-    add(
-        "--request-template-timeout-s",
-        type=float,
-        default=env_or("request_template_timeout_s", d.request_template_timeout_s),
-    )
-    add(
-        "--request-template-max-chars",
-        type=int,
-        default=env_or("request_template_max_chars", d.request_template_max_chars),
-        help="rendered text and each filter result of a request template",
-    )
-    add(
-        "--request-template-memory-bytes",
-        type=int,
-        default=env_or("request_template_memory_bytes", d.request_template_memory_bytes),
-    )
-    add("--max-request-bytes", type=int, default=env_or("max_request_bytes", d.max_request_bytes))
-    add(
-        "--request-read-timeout-s",
-        type=float,
-        default=env_or("request_read_timeout_s", d.request_read_timeout_s),
-        help="a request body must arrive within this many seconds (else 408)",
-    )
-    add(
-        "--shutdown-timeout",
-        dest="shutdown_timeout_s",
-        type=float,
-        default=env_or("shutdown_timeout", d.shutdown_timeout_s),
-        help="on SIGTERM, seconds running requests get to finish before they are aborted",
-    )
-    add(
-        "--log-level",
-        default=env_or("log_level", d.log_level),
-        choices=["critical", "error", "warning", "info", "debug", "trace"],
-    )
-    add("--max-num-seqs", type=int, default=env_or("max_num_seqs", d.max_num_seqs))
-    add("--max-n", type=int, default=env_or("max_n", d.max_n), help="largest n per request")
-    add(
-        "--prefix-cache-bytes",
-        type=int,
-        default=env_or("prefix_cache_bytes", d.prefix_cache_bytes),
-        help="KV the hf engine keeps to reuse repeated prompt prefixes (0: off)",
-    )
-    add(
-        "--reasoning-parser",
-        default=env_or("reasoning_parser", None),
-        choices=REASONING_PARSER_NAMES,
-    )
-    add("--tool-call-parser", default=env_or("tool_call_parser", None), choices=TOOL_PARSER_NAMES)
-    add(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        default=_env_bool("enable_auto_tool_choice"),
-    )
-    add("--allowed-media-domains", nargs="+", default=_split(_env("allowed_media_domains")))
-    add(
-        "--allow-private-media-networks",
-        action="store_true",
-        default=_env_bool("allow_private_media_networks"),
-    )
-    add("--media-allow-redirects", action="store_true", default=_env_bool("media_allow_redirects"))
-    add("--max-media-bytes", type=int, default=env_or("max_media_bytes", d.max_media_bytes))
-    add("--media-timeout-s", type=float, default=env_or("media_timeout_s", d.media_timeout_s))
-    add("--allowed-local-media-path", type=Path, default=env_or("allowed_local_media_path", None))
-    add("--media-cache-bytes", type=int, default=env_or("media_cache_bytes", d.media_cache_bytes))
-    add(
-        "--max-images-per-request",
-        type=int,
-        default=env_or("max_images_per_request", d.max_images_per_request),
-    )
-    add(
-        "--max-image-pixels-per-request",
-        type=int,
-        default=env_or("max_image_pixels_per_request", d.max_image_pixels_per_request),
-        help="pixels one request may make the server decode (read from image headers first)",
-    )
-    add("--device", default=env_or("device", None), help="cpu or cuda (default: cuda if present)")
-    add(
-        "--enable-rl-control",
-        action="store_true",
-        default=_env_bool("enable_rl_control"),
-        help="serve pause/resume, weight reload and weight version routes",
-    )
-    add(
-        "--engine",
-        default=env_or("engine", d.engine),
-        choices=ENGINE_KINDS,
-        help="hf (transformers, CPU/CUDA) or vllm (vLLM's AsyncLLM; other vLLM flags pass through)",
-    )
-    add(
-        "--dtype",
-        default=env_or("dtype", d.dtype),
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="weights and activations (auto: the model's; vLLM's auto is bfloat16 on CPU)",
-    )
-
-
-def _split(value: str | None) -> list[str] | None:
-    return value.split(",") if value else None
+    """vLLM-style flags, one per ``flag`` field; each default may come from ``TOKENWIRE_<FLAG>``."""
+    for f, spec in _flags():
+        option = spec.option or "--" + f.name.replace("_", "-")
+        env = os.environ.get("TOKENWIRE_" + option.removeprefix("--").replace("-", "_").upper())
+        if spec.switch:
+            on = env is not None and env.strip().lower() in {"1", "true", "yes", "on"}
+            parser.add_argument(
+                option, dest=f.name, action="store_true", default=on, help=spec.help
+            )
+        elif spec.many:
+            values = env.split(",") if env else None
+            parser.add_argument(option, dest=f.name, nargs="+", default=values, help=spec.help)
+        else:
+            # argparse parses a text default with ``type``, as it parses the flag's own text
+            parser.add_argument(
+                option,
+                dest=f.name,
+                type=spec.type,
+                choices=spec.choices,
+                default=f.default if env is None else env,
+                help=spec.help,
+            )
 
 
 def settings_from_args(args: argparse.Namespace, engine_args: Sequence[str] = ()) -> Settings:
     """``engine_args``: the flags argparse did not know, for ``--engine vllm`` only."""
-    values = {f.name: getattr(args, f.name) for f in fields(Settings) if hasattr(args, f.name)}
+    values = {f.name: getattr(args, f.name) for f, _ in _flags() if hasattr(args, f.name)}
     if engine_args and values.get("engine") != "vllm":
         raise ValueError(f"unknown arguments {list(engine_args)} (vLLM flags need --engine vllm)")
-    values["engine_args"] = tuple(engine_args)
-    for name in ("served_model_name", "allowed_media_domains"):
-        if values.get(name) is not None:
-            values[name] = tuple(values[name])
-    values["served_model_name"] = values.get("served_model_name") or ()
-    for name in (
-        "port",
-        "max_model_len",
-        "max_request_bytes",
-        "max_num_seqs",
-        "max_n",
-        "prefix_cache_bytes",
-        "max_media_bytes",
-        "media_cache_bytes",
-        "max_images_per_request",
-        "max_image_pixels_per_request",
-        "request_template_workers",
-        "request_template_max_chars",
-        "request_template_memory_bytes",
-    ):
-        if values.get(name) is not None:
-            values[name] = int(values[name])
-    for name in (
-        "media_timeout_s",
-        "request_template_timeout_s",
-        "request_read_timeout_s",
-        "shutdown_timeout_s",
-    ):
-        values[name] = float(values[name])
+    for f, spec in _flags():
+        if spec.many and f.name in values:
+            # argparse gives a list (None when not given); the field is a tuple or its default
+            value = values[f.name]
+            values[f.name] = tuple(value) if value is not None else f.default
     if values.get("prefix_cache_bytes", 0) < 0:
         raise ValueError("--prefix-cache-bytes must be >= 0 (0 turns the prefix cache off)")
-    for name in ("chat_template", "allowed_local_media_path"):
-        if values.get(name) is not None:
-            values[name] = Path(values[name])
-    return Settings(**values)
+    return Settings(**values, engine_args=tuple(engine_args))
 
 
 def parse_serve_args(argv: Sequence[str] | None = None) -> Settings:

@@ -7,11 +7,10 @@ from pathlib import Path
 from typing import Literal
 
 from tokenwire.engine.base import Engine
+from tokenwire.engine.defaults import DEFAULT_PREFIX_CACHE_BYTES
 
 EngineKind = Literal["hf", "vllm"]
 ENGINE_KINDS: tuple[EngineKind, ...] = ("hf", "vllm")
-# The hf engine's prefix cache budget: about 23k tokens of SmolLM2-135M's float32 KV.
-DEFAULT_PREFIX_CACHE_BYTES = 2**30
 
 
 def create_engine(

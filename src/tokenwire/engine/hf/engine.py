@@ -25,7 +25,7 @@ from tokenwire.engine.base import (
     SamplingParams,
     WeightsError,
 )
-from tokenwire.engine.factory import DEFAULT_PREFIX_CACHE_BYTES
+from tokenwire.engine.defaults import DEFAULT_PREFIX_CACHE_BYTES
 from tokenwire.engine.hf.handoff import (
     Abort,
     Add,
