@@ -315,6 +315,23 @@ def test_abort_by_id_keeps_partial_tokens(smollm2: httpx.Client, paris_ids: list
     wait_until_idle(smollm2)
 
 
+def test_client_ids_never_meet_engine_ids(smollm2: httpx.Client, paris_ids: list[int]) -> None:
+    """Request ``x`` with n=2 and request ``x-1`` run at once: engine ids are minted per
+    choice, not joined from the client's id, so neither is refused as already running."""
+    sampling = {"max_tokens": 24, "ignore_eos": True, "temperature": 0}
+    bodies = [
+        {"request_id": "x", "token_ids": paris_ids, "sampling_params": {**sampling, "n": 2}},
+        {"request_id": "x-1", "token_ids": paris_ids, "sampling_params": sampling},
+    ]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        responses = list(
+            pool.map(lambda body: smollm2.post("/inference/v1/generate", json=body), bodies)
+        )
+    assert [r.status_code for r in responses] == [200, 200], [r.text for r in responses]
+    assert [len(r.json()["choices"]) for r in responses] == [2, 1]
+    assert all(len(choice["token_ids"]) == 24 for r in responses for choice in r.json()["choices"])
+
+
 def test_request_id_header_wins(smollm2: httpx.Client, paris_ids: list[int]) -> None:
     response = smollm2.post(
         "/inference/v1/generate",

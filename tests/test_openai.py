@@ -50,6 +50,43 @@ def test_chat_completion_answers_paris(
     assert completion.usage.prompt_tokens == len(rendered["token_ids"])
 
 
+def test_sampled_top_logprobs_equal_render_generate_derender(
+    smollm2_openai: openai.OpenAI, smollm2: httpx.Client
+) -> None:
+    """One top-logprob rule: sampled at temperature 1, the chat route's lists (the sampled
+    token first, then the most likely others) equal render -> generate -> derender's."""
+    request = {"messages": PARIS, "temperature": 1.0, "seed": 11, "max_tokens": 48}
+    request |= {"logprobs": True, "top_logprobs": 2, "ignore_eos": True}
+    completion = smollm2_openai.chat.completions.create(
+        model="smollm2-135m-instruct",
+        **{k: v for k, v in request.items() if k != "ignore_eos"},
+        extra_body={"ignore_eos": True},
+    )
+    rendered = smollm2.post("/v1/chat/completions/render", json=request).json()
+    generated = smollm2.post("/inference/v1/generate", json=rendered).json()
+    derendered = smollm2.post(
+        "/v1/chat/completions/derender",
+        json={
+            "generate_response": generated,
+            "prompt_token_ids": rendered["token_ids"],
+            "chat_request": request,
+        },
+    ).json()
+
+    def lists(entries: list) -> list:
+        return [
+            [(top["token"], round(top["logprob"], 4)) for top in e["top_logprobs"]] for e in entries
+        ]
+
+    chat = [entry.model_dump() for entry in completion.choices[0].logprobs.content]
+    composed = derendered["choices"][0]["logprobs"]["content"]
+    sampled = generated["choices"][0]["logprobs"]["content"]
+    # Long enough to sample tokens that are not the most likely: the rule matters there.
+    assert any(entry["rank"] > 1 for entry in sampled)
+    assert all(e["top_logprobs"][0]["token"] == e["token"] for e in chat)
+    assert lists(chat) == lists(composed)
+
+
 def test_chat_completion_streaming(smollm2_openai: openai.OpenAI) -> None:
     whole = (
         smollm2_openai.chat.completions.create(

@@ -364,6 +364,31 @@ def test_sglang_generate_bad_input(rl: httpx.Client, body: dict) -> None:
 
 
 @pytest.mark.hf_only  # vLLM's blocks are 128 tokens on CPU
+def test_a_choice_ending_on_a_stop_string_keeps_its_weight_version(
+    rl_server: Server, rl: httpx.Client, prompt_ids: list[int]
+) -> None:
+    """The cut at a stop string keeps the version that sampled every kept token."""
+    free = ok(generate(rl, prompt_ids, max_tokens=8, ignore_eos=True))["choices"][0]
+    stop = ok(rl.post("/detokenize", json={"tokens": free["token_ids"][2:4]}))["prompt"]
+    ok(rl.post("/update_weight_version", json={"new_version": "v7"}))
+    try:
+        sampling = {"max_tokens": 8, "ignore_eos": True, "stop": [stop]}
+        whole = ok(generate(rl, prompt_ids, **sampling))["choices"][0]
+        streamed = Stream(rl_server, prompt_ids, **sampling).final()
+        sglang = {"max_new_tokens": 8, "stop": [stop], "ignore_eos": True, "temperature": 0}
+        body = {"input_ids": prompt_ids, "sampling_params": sglang}
+        meta = ok(rl.post("/generate", json=body))["meta_info"]
+    finally:
+        ok(rl.post("/update_weight_version", json={"new_version": "default"}))
+    count = len(whole["token_ids"])
+    assert whole["finish_reason"] == "stop" and whole["stop_reason"] == stop and count <= 4
+    assert whole["weight_versions"] == [{"version": "v7", "start": 0, "end": count}]
+    assert streamed["finish_reason"] == "stop"
+    assert streamed["weight_versions"] == whole["weight_versions"]
+    assert meta["finish_reason"] == {"type": "stop", "matched": stop}
+    assert meta["weight_versions"] == whole["weight_versions"]
+
+
 def test_reset_and_reloads_clear_the_prefix_cache(rl: httpx.Client, base_dir: Path) -> None:
     """No KV computed before ``/reset_prefix_cache`` or a weight reload serves a later request
     (the reload keeps the base weights, so only the cache can tell)."""
