@@ -14,6 +14,21 @@ from tests.conftest import Server
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+def render_generate_derender(client: httpx.Client, request: dict) -> tuple[dict, dict, dict]:
+    """A chat request made step by step, as the chat route composes it."""
+    rendered = client.post("/v1/chat/completions/render", json=request).json()
+    generated = client.post("/inference/v1/generate", json=rendered).json()
+    derendered = client.post(
+        "/v1/chat/completions/derender",
+        json={
+            "generate_response": generated,
+            "prompt_token_ids": rendered["token_ids"],
+            "chat_request": request,
+        },
+    ).json()
+    return rendered, generated, derendered
+
+
 def test_chat_completion_answers_paris(
     smollm2_openai: openai.OpenAI, smollm2: httpx.Client
 ) -> None:
@@ -34,18 +49,8 @@ def test_chat_completion_answers_paris(
     assert "".join(tokens) == choice.message.content + "<|im_end|>"
     assert all(len(entry.top_logprobs) == 2 for entry in choice.logprobs.content)
     # The same request made step by step: render -> generate -> derender.
-    rendered = smollm2.post(
-        "/v1/chat/completions/render", json={"messages": PARIS, "temperature": 0, "max_tokens": 24}
-    ).json()
-    generated = smollm2.post("/inference/v1/generate", json=rendered).json()
-    derendered = smollm2.post(
-        "/v1/chat/completions/derender",
-        json={
-            "generate_response": generated,
-            "prompt_token_ids": rendered["token_ids"],
-            "chat_request": {"messages": PARIS},
-        },
-    ).json()
+    request = {"messages": PARIS, "temperature": 0, "max_tokens": 24}
+    rendered, _, derendered = render_generate_derender(smollm2, request)
     assert derendered["choices"][0]["message"]["content"] == choice.message.content
     assert completion.usage.prompt_tokens == len(rendered["token_ids"])
 
@@ -62,16 +67,7 @@ def test_sampled_top_logprobs_equal_render_generate_derender(
         **{k: v for k, v in request.items() if k != "ignore_eos"},
         extra_body={"ignore_eos": True},
     )
-    rendered = smollm2.post("/v1/chat/completions/render", json=request).json()
-    generated = smollm2.post("/inference/v1/generate", json=rendered).json()
-    derendered = smollm2.post(
-        "/v1/chat/completions/derender",
-        json={
-            "generate_response": generated,
-            "prompt_token_ids": rendered["token_ids"],
-            "chat_request": request,
-        },
-    ).json()
+    _, generated, derendered = render_generate_derender(smollm2, request)
 
     def lists(entries: list) -> list:
         return [
