@@ -363,7 +363,6 @@ def test_sglang_generate_bad_input(rl: httpx.Client, body: dict) -> None:
     assert rl.post("/generate", json=body).status_code == 400
 
 
-@pytest.mark.hf_only  # vLLM's blocks are 128 tokens on CPU
 def test_a_choice_ending_on_a_stop_string_keeps_its_weight_version(
     rl_server: Server, rl: httpx.Client, prompt_ids: list[int]
 ) -> None:
@@ -389,6 +388,7 @@ def test_a_choice_ending_on_a_stop_string_keeps_its_weight_version(
     assert meta["weight_versions"] == whole["weight_versions"]
 
 
+@pytest.mark.hf_only  # vLLM's blocks are 128 tokens on CPU
 def test_reset_and_reloads_clear_the_prefix_cache(rl: httpx.Client, base_dir: Path) -> None:
     """No KV computed before ``/reset_prefix_cache`` or a weight reload serves a later request
     (the reload keeps the base weights, so only the cache can tell)."""
