@@ -109,36 +109,36 @@ class JobRegistry:
 async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
     """Items of several streams as they come, tagged with the stream's index.
 
-    The first error of any stream ends the merge and is raised; leaving early (or an error)
-    cancels every stream still running, which closes them (and aborts their engine requests).
+    A stream is asked for its next item only once its previous one was taken, so whatever a
+    stream updates while making an item (a choice's state) is as the consumer of that item
+    left it. The first error of any stream ends the merge and is raised; leaving early (or an
+    error) cancels and closes every stream still open (which aborts its engine requests).
     """
-    queue: asyncio.Queue[tuple[int, T] | BaseException | None] = asyncio.Queue()
+    pending: dict[asyncio.Future[T], int] = {}
 
-    async def pump(index: int, stream: AsyncIterator[T]) -> None:
-        try:
-            async for item in stream:
-                await queue.put((index, item))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            await queue.put(exc)
-        finally:
-            await queue.put(None)
+    def ask(index: int) -> None:
+        pending[asyncio.ensure_future(anext(streams[index]))] = index
 
-    tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
-    remaining = len(tasks)
+    for index in range(len(streams)):
+        ask(index)
     try:
-        while remaining:
-            item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=pending.__getitem__):
+                index = pending.pop(future)
+                try:
+                    item = future.result()
+                except StopAsyncIteration:
+                    continue
+                yield index, item
+                ask(index)
     finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        for future in pending:
+            future.cancel()
+        for future in pending:  # the first error is raised already; the rest end quietly
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await future
+        for stream in streams:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
