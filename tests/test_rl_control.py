@@ -351,12 +351,14 @@ def test_sglang_generate(rl_server: Server, rl: httpx.Client, prompt_ids: list[i
     [
         {"sampling_params": {}},
         {"text": "a", "input_ids": [1]},
-        {"text": ["a", "b"]},
-        {"input_ids": [[1], [2]]},
+        {"text": ["a", 1]},
+        {"input_ids": [[1], 2]},
+        {"input_ids": [[1], [-1]]},
         {"input_ids": [-1]},
         {"input_ids": [10**9]},
-        {"text": "a", "sampling_params": {"max_new_tokens": 0}},
-        {"text": "a", "sampling_params": {"n": 2}},
+        {"text": ["a", "b"], "rid": ["only-one"]},
+        {"text": "a", "sampling_params": {"n": 1000}},
+        {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2},
     ],
 )
 def test_sglang_generate_bad_input(rl: httpx.Client, body: dict) -> None:

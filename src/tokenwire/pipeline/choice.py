@@ -42,6 +42,7 @@ class ChoiceRequest:
     prompt_ids: list[int]
     sampling: SamplingParams
     media: MultiModalInput | None = None
+    prompt_only: bool = False  # the output is dropped: the prompt's logprobs are the answer
 
 
 @dataclass(slots=True)
@@ -87,11 +88,13 @@ class Choice:
     def __init__(
         self,
         index: int,
+        prompt_index: int,
         sample: int,
         request: ChoiceRequest,
         decoder: ChoiceDecoder | None,
     ) -> None:
         self.index = index  # in the response, over all prompts
+        self.prompt_index = prompt_index
         self.sample = sample  # which of its prompt's n choices
         self.request = request
         # Decodes text and finds stop strings; None when the request reads no text.
@@ -137,6 +140,10 @@ class Choice:
         ids = output.new_token_ids
         logprobs = output.logprobs
         finish, stop_reason = output.finish_reason, output.stop_reason
+        if self.request.prompt_only:
+            ids, logprobs = [], None
+            if finish is not None and finish != "abort":
+                finish, stop_reason = "length", None
         text: str | None = None
         if self.decoder is not None:
             had_stop = self.decoder.stop_string is not None

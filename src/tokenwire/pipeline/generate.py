@@ -33,7 +33,7 @@ def start_job(
     """
     admit(pipeline)
     choices: list[Choice] = []
-    for prompt in prompts:
+    for prompt_index, prompt in enumerate(prompts):
         params = prompt.sampling
         options = DecodeOptions.of(params)
         for sample in range(params.n):
@@ -42,6 +42,7 @@ def start_job(
                 prompt.token_ids,
                 engine_sampling(params, sample),
                 prompt.media,
+                prompt.prompt_only,
             )
             decoder = None
             if parsing is not None or options.stop_strings:
@@ -52,7 +53,7 @@ def start_job(
                     parsing or PLAIN,
                     prompt.token_ids,
                 )
-            choices.append(Choice(len(choices), sample, request, decoder))
+            choices.append(Choice(len(choices), prompt_index, sample, request, decoder))
     job = GenerationJob(runtime.engine, request_id, choices)
     pipeline.jobs.add(job)
     return job

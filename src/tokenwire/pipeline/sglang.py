@@ -1,4 +1,5 @@
-"""SGLang's ``/generate``: a prompt (text or ids) in, text, ids and ``meta_info`` out.
+"""SGLang's ``/generate``: prompts (text or ids, one or a batch) in, text, ids and ``meta_info``
+out.
 
 The same job and per-choice decoder as every other path; only the JSON is SGLang's. Streaming
 chunks are cumulative (``text``, ``output_ids`` and logprobs so far), SGLang's default.
@@ -8,8 +9,10 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
+from tokenwire.engine.base import TokenLogprob
 from tokenwire.pipeline.choice import Choice, ChoiceDelta
 from tokenwire.pipeline.context import Pipeline
 from tokenwire.pipeline.decoder import PLAIN
@@ -24,36 +27,54 @@ from tokenwire.protocol.sglang import SGLangGenerateRequest
 from tokenwire.text.token_text import json_logprob
 
 
-class SGLangRun:
-    """One ``/generate`` call: its job and the logprob rows made so far."""
+@dataclass(slots=True)
+class _Rows:
+    """One choice's SGLang logprob rows so far: ``[logprob, token_id, text]`` each."""
 
-    def __init__(self, pipeline: Pipeline, job: GenerationJob, body: SGLangGenerateRequest) -> None:
+    output: list[list[Any]] = field(default_factory=list)
+    output_top: list[list[list[Any]] | None] = field(default_factory=list)
+
+
+class SGLangRun:
+    """One ``/generate`` call: its job and each choice's logprob rows.
+
+    A batch (or ``n > 1``) is answered with a list, prompt by prompt and each prompt's choices
+    in order; streamed, each event is one choice's cumulative result with its ``index``.
+    """
+
+    def __init__(
+        self, pipeline: Pipeline, job: GenerationJob, body: SGLangGenerateRequest, rids: list[str]
+    ) -> None:
         self.pipeline = pipeline
         self.job = job
-        self.choice = job.choices[0]
         self.body = body
-        self.logprobs: list[list[Any]] = []
-        self.top_logprobs: list[list[list[Any]]] = []
+        self.rids = rids  # per prompt
+        self.listed = body.batched or len(job.choices) > 1
+        self.rows = {choice.index: _Rows() for choice in job.choices}
 
-    async def response(self) -> dict[str, Any]:
+    async def response(self) -> dict[str, Any] | list[dict[str, Any]]:
         try:
             async for delta in self.job.deltas():
                 self._add(delta)
         finally:
             self.pipeline.jobs.remove(self.job)
-        return self._json()
+        results = [self._json(choice) for choice in self.job.choices]
+        return results if self.listed else results[0]
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         try:
             async for delta in self.job.deltas():
                 self._add(delta)
-                yield self._json()
+                result = self._json(delta.choice)
+                if self.listed:
+                    result["index"] = delta.index
+                yield result
         finally:
             self.pipeline.jobs.remove(self.job)
 
     def _add(self, delta: ChoiceDelta) -> None:
         """Keep the decoder in step (logprob token texts need it) and the logprob rows."""
-        decoder = self.choice.decoder
+        decoder = delta.choice.decoder
         assert decoder is not None and delta.text is not None, "SGLang jobs decode text"
         entries = delta.logprobs or []
         wants_texts = self.body.return_logprob and self.body.return_text_in_logprobs
@@ -67,34 +88,56 @@ class SGLangRun:
         if not self.body.return_logprob:
             return
         texts = step.logprobs["tokens"] if isinstance(step.logprobs, dict) else None
-        width = self.body.top_logprobs_num
+        rows = self.rows[delta.index]
         for position, entry in enumerate(entries):
             text = texts[position] if texts is not None else None
-            self.logprobs.append([json_logprob(entry.logprob), entry.token_id, text])
-            if width:
-                self.top_logprobs.append(
-                    [
-                        [json_logprob(logprob), token_id, None]
-                        for token_id, logprob, _ in alternatives(entry, width)
-                    ]
-                )
+            rows.output.append([json_logprob(entry.logprob), entry.token_id, text])
+            rows.output_top.append(self._top_row(entry))
 
-    def _json(self) -> dict[str, Any]:
-        job, choice = self.job, self.choice
+    def _top_row(self, entry: TokenLogprob | None) -> list[list[Any]] | None:
+        if entry is None:
+            return None
+        width = self.body.top_logprobs_num
+        return [
+            [json_logprob(lp), token_id, None] for token_id, lp, _ in alternatives(entry, width)
+        ]
+
+    def _json(self, choice: Choice) -> dict[str, Any]:
         meta: dict[str, Any] = {
-            "id": job.request_id,
+            "id": self.rids[choice.prompt_index],
             "finish_reason": _finish_reason(choice),
-            "prompt_tokens": job.prompt_tokens,
-            "completion_tokens": job.completion_tokens,
-            "cached_tokens": job.cached_tokens,
+            "prompt_tokens": len(choice.prompt_ids),
+            "completion_tokens": len(choice.token_ids),
+            "cached_tokens": choice.num_cached_tokens,
             "weight_version": choice.weight_versions.latest,
             "weight_versions": choice.weight_versions.spans,
         }
-        if self.body.return_logprob:
-            meta["output_token_logprobs"] = self.logprobs
-            if self.body.top_logprobs_num:
-                meta["output_top_logprobs"] = self.top_logprobs
+        body = self.body
+        if body.return_logprob:
+            rows = self.rows[choice.index]
+            meta["output_token_logprobs"] = rows.output
+            if body.top_logprobs_num:
+                meta["output_top_logprobs"] = rows.output_top
+            if body.logprob_start_len >= 0:
+                meta.update(self._input_logprobs(choice))
         return {"text": choice.text, "output_ids": choice.token_ids, "meta_info": meta}
+
+    def _input_logprobs(self, choice: Choice) -> dict[str, Any]:
+        """SGLang's ``input_token_logprobs`` (and top rows) from ``logprob_start_len`` on; the
+        prompt's first token has no logprob (null)."""
+        start = self.body.logprob_start_len
+        entries = choice.prompt_logprobs or []
+        ids = choice.prompt_ids[start:]
+        scored = entries[start:] if entries else [None] * len(ids)
+        result: dict[str, Any] = {
+            "input_token_logprobs": [
+                [None if entry is None else json_logprob(entry.logprob), token_id, None]
+                for token_id, entry in zip(ids, scored, strict=True)
+            ]
+        }
+        if self.body.top_logprobs_num:
+            result["input_top_logprobs"] = [self._top_row(entry) for entry in scored]
+        return result
 
 
 def _finish_reason(choice: Choice) -> dict[str, Any] | None:
@@ -112,7 +155,9 @@ def _sampling(body: SGLangGenerateRequest) -> SamplingParamsModel:
     p = body.sampling_params
     try:
         return SamplingParamsModel(
-            max_tokens=p.max_new_tokens,
+            n=p.n,
+            # Scoring only (0) still runs one step; the choice drops its output (``ValidPrompt``).
+            max_tokens=max(p.max_new_tokens, 1) if p.max_new_tokens is not None else None,
             min_tokens=p.min_new_tokens,
             temperature=p.temperature,
             top_p=p.top_p,
@@ -129,6 +174,11 @@ def _sampling(body: SGLangGenerateRequest) -> SamplingParamsModel:
             repetition_penalty=p.repetition_penalty,
             seed=p.sampling_seed,
             logprobs=body.top_logprobs_num if body.return_logprob else None,
+            prompt_logprobs=(
+                body.top_logprobs_num
+                if body.return_logprob and body.logprob_start_len >= 0
+                else None
+            ),
         )
     except ValueError as exc:
         raise InvalidRequest(str(exc), "sampling_params") from exc
@@ -136,12 +186,27 @@ def _sampling(body: SGLangGenerateRequest) -> SamplingParamsModel:
 
 async def start_sglang_generate(pipeline: Pipeline, body: SGLangGenerateRequest) -> SGLangRun:
     runtime = pipeline.ready()
-    if body.input_ids is not None:
-        prompt_ids = list(body.input_ids)
+    sampling = _sampling(body)
+    scoring = body.sampling_params.max_new_tokens == 0
+    if body.text is not None:
+        texts = [str(text) for text in body.prompts]
+        size = sum(map(len, texts))
+        all_ids = await run_text_work(size, lambda: [runtime.tokenizer.encode(t) for t in texts])
     else:
-        text = str(body.text)
-        prompt_ids = await run_text_work(len(text), lambda: runtime.tokenizer.encode(text))
-    prompt = valid_prompt(pipeline.config, runtime, prompt_ids, _sampling(body), param="input_ids")
-    request_id = body.rid or uuid.uuid4().hex
-    job = start_job(pipeline, runtime, request_id, [prompt], parsing=PLAIN)
-    return SGLangRun(pipeline, job, body)
+        all_ids = [list(ids) for ids in body.prompts]  # type: ignore[arg-type]
+    prompts = [
+        valid_prompt(
+            pipeline.config, runtime, ids, sampling, param="input_ids", prompt_only=scoring
+        )
+        for ids in all_ids
+    ]
+    if body.logprob_start_len >= 0 and any(
+        body.logprob_start_len >= len(prompt.token_ids) for prompt in prompts
+    ):
+        raise InvalidRequest(
+            "logprob_start_len must be less than the prompt's length", "logprob_start_len"
+        )
+    rid = body.rid or uuid.uuid4().hex
+    rids = rid if isinstance(rid, list) else [rid] * len(prompts)
+    job = start_job(pipeline, runtime, rids[0], prompts, parsing=PLAIN)
+    return SGLangRun(pipeline, job, body, rids)

@@ -74,6 +74,9 @@ class ValidPrompt:
     token_ids: list[int]
     sampling: SamplingParamsModel
     media: MultiModalInput | None = None
+    # Score the prompt only: the engine runs one step for its prompt logprobs and the choice
+    # keeps no output (SGLang's ``max_new_tokens: 0``).
+    prompt_only: bool = False
 
 
 def valid_prompt(
@@ -84,13 +87,14 @@ def valid_prompt(
     *,
     param: str,
     media: MultiModalInput | None = None,
+    prompt_only: bool = False,
 ) -> ValidPrompt:
     """A generate request's prompt and ``sampling_params``, checked."""
     max_tokens = check_prompt(runtime, token_ids, sampling.max_tokens, param=param)
     check_n(config, sampling.n)
     if sampling.max_tokens != max_tokens:
         sampling = sampling.model_copy(update={"max_tokens": max_tokens})
-    return ValidPrompt(token_ids, sampling, media)
+    return ValidPrompt(token_ids, sampling, media, prompt_only)
 
 
 def check_output_ids(runtime: ModelRuntime, token_ids: Sequence[int] | None, where: str) -> None:

@@ -144,7 +144,10 @@ class SGLangMetaInfo(BaseModel):
     weight_version: str | None = None
     weight_versions: list[WeightVersionSpan] = []
     output_token_logprobs: list[list[Any]] | None = None
-    output_top_logprobs: list[list[list[Any]]] | None = None
+    output_top_logprobs: list[list[list[Any]] | None] | None = None
+    # With ``logprob_start_len`` >= 0: the prompt's, from there on (the first token's is null).
+    input_token_logprobs: list[list[Any]] | None = None
+    input_top_logprobs: list[list[list[Any]] | None] | None = None
 
 
 class SGLangGenerateResponse(BaseModel):
@@ -153,6 +156,7 @@ class SGLangGenerateResponse(BaseModel):
     text: str
     output_ids: list[int]
     meta_info: SGLangMetaInfo
+    index: int | None = None  # streamed batches: which prompt's choice this event is
 
 
 class ModelCard(BaseModel):

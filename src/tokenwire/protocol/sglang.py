@@ -26,7 +26,8 @@ DEFAULT_MAX_NEW_TOKENS = 128
 
 
 class SGLangSamplingParams(RequestModel):
-    max_new_tokens: NonNegativeInt64 | None = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1)
+    # 0: score the prompt only (teacher scoring: input logprobs, no output).
+    max_new_tokens: NonNegativeInt64 | None = DEFAULT_MAX_NEW_TOKENS
     min_new_tokens: NonNegativeInt64 = 0
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
@@ -42,29 +43,49 @@ class SGLangSamplingParams(RequestModel):
     presence_penalty: Penalty = 0.0
     repetition_penalty: RepetitionPenalty = 1.0
     sampling_seed: Int64 | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: NonNegativeInt64 = Field(default=1, ge=1)
 
 
 class SGLangGenerateRequest(RequestModel):
-    text: str | list[Any] | None = None
+    """One prompt or a batch (``text`` a list of strings, ``input_ids`` a list of id lists)."""
+
+    text: str | list[str] | None = None
     input_ids: list[Any] | None = None
     sampling_params: SGLangSamplingParams = Field(default_factory=SGLangSamplingParams)
     return_logprob: bool = False
     top_logprobs_num: int = Field(default=0, ge=0, le=MAX_LOGPROBS)
     return_text_in_logprobs: bool = False
-    rid: str | None = Field(default=None, max_length=256)
+    # Input logprobs from this prompt position on; -1: output logprobs only (SGLang's default).
+    logprob_start_len: Int64 = -1
+    rid: str | list[str] | None = None
     stream: bool = False
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> SGLangGenerateRequest:
+    def _prompts(self) -> SGLangGenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("send exactly one of text and input_ids")
-        if isinstance(self.text, list) or (
-            self.input_ids is not None and any(isinstance(i, list) for i in self.input_ids)
+        ids = self.input_ids
+        rows = ids if ids and all(isinstance(i, list) for i in ids) else [ids or []]
+        if ids is not None and not all(
+            type(i) is int and 0 <= i <= INT64_MAX for row in rows for i in row
         ):
-            raise ValueError("batched prompts are not supported: send one prompt per request")
-        if self.input_ids is not None and not all(
-            type(i) is int and 0 <= i <= INT64_MAX for i in self.input_ids
-        ):
-            raise ValueError("input_ids must be non-negative 64-bit integers")
+            raise ValueError("input_ids must be non-negative 64-bit integers, or lists of them")
+        rids = [self.rid] if isinstance(self.rid, str) else self.rid or []
+        if any(len(rid) > 256 for rid in rids):
+            raise ValueError("rid must be at most 256 characters")
+        if isinstance(self.rid, list) and len(rids) != len(self.prompts):
+            raise ValueError("a list of rids needs one per prompt")
         return self
+
+    @property
+    def batched(self) -> bool:
+        """A list of prompts (answered with a list, as is a prompt with ``n > 1``)."""
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and all(isinstance(i, list) for i in self.input_ids or ())
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        if self.text is not None:
+            return list(self.text) if isinstance(self.text, list) else [self.text]
+        return list(self.input_ids or ()) if self.batched else [list(self.input_ids or ())]

@@ -27,7 +27,8 @@ router = APIRouter(tags=["sglang"])
 
 @router.post(
     "/generate",
-    response_model=SGLangGenerateResponse,
+    # A batch, or a prompt with n > 1, is answered with a list.
+    response_model=SGLangGenerateResponse | list[SGLangGenerateResponse],
     responses=streamed(SGLangGenerateResponse),
 )
 async def generate(body: SGLangGenerateRequest, request: Request) -> Response:
