@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from tokenwire.api.errors import error_body, expected_error
 from tokenwire.api.responses import SSE_DONE, sse_event
@@ -17,11 +19,13 @@ logger = logging.getLogger("tokenwire.api")
 async def sse_frames(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
     """``data: {json}`` per chunk, an error event if the stream fails, always ``[DONE]``.
 
-    A client disconnect cancels this generator; the cancellation closes ``chunks``.
+    Closing it closes ``chunks`` (and so the job's engine requests), as ``SSEResponse`` does
+    when the client goes away between two chunks.
     """
     try:
-        async for chunk in chunks:
-            yield sse_event(chunk)
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield sse_event(chunk)
     except Exception as exc:
         expected = expected_error(exc)
         if expected is None:
@@ -31,7 +35,21 @@ async def sse_frames(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[byt
     yield SSE_DONE
 
 
+class SSEResponse(StreamingResponse):
+    """A stream whose frames are closed when the response ends however it ends: a client that
+    leaves while a chunk is being sent would otherwise leave them suspended, its job running,
+    until a garbage collection found them."""
+
+    body_iterator: AsyncGenerator[bytes, None]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 def sse_response(
     chunks: AsyncIterator[dict[str, Any]], headers: dict[str, str] | None = None
 ) -> StreamingResponse:
-    return StreamingResponse(sse_frames(chunks), media_type="text/event-stream", headers=headers)
+    return SSEResponse(sse_frames(chunks), media_type="text/event-stream", headers=headers)

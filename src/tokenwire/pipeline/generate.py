@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -119,17 +120,18 @@ class Generation:
         continuous = options is not None and options.continuous_usage_stats
         sent_prompt_logprobs = False
         try:
-            async for delta in job.deltas():
-                chunk: dict[str, Any] = {
-                    "request_id": job.request_id,
-                    "choices": [self._delta_json(delta)],
-                }
-                if not sent_prompt_logprobs and delta.choice.prompt_logprobs is not None:
-                    sent_prompt_logprobs = True
-                    chunk["prompt_logprobs"] = self._prompt_logprobs_json()
-                if continuous:
-                    chunk["usage"] = usage_json(job.prompt_tokens, job.completion_tokens)
-                yield chunk
+            async with contextlib.aclosing(job.deltas()) as deltas:
+                async for delta in deltas:
+                    chunk: dict[str, Any] = {
+                        "request_id": job.request_id,
+                        "choices": [self._delta_json(delta)],
+                    }
+                    if not sent_prompt_logprobs and delta.choice.prompt_logprobs is not None:
+                        sent_prompt_logprobs = True
+                        chunk["prompt_logprobs"] = self._prompt_logprobs_json()
+                    if continuous:
+                        chunk["usage"] = usage_json(job.prompt_tokens, job.completion_tokens)
+                    yield chunk
         finally:
             self.pipeline.jobs.remove(job)
         if include_usage:

@@ -28,8 +28,10 @@ class GenerationJob:
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Merged deltas of all choices; leaving early aborts whatever still runs."""
-        async for _, delta in merge([self._run(choice) for choice in self.choices]):
-            yield delta
+        streams = merge([self._run(choice) for choice in self.choices])
+        async with contextlib.aclosing(streams):
+            async for _, delta in streams:
+                yield delta
 
     async def run(self) -> list[Choice]:
         """Run every choice to its end."""

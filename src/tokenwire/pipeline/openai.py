@@ -7,6 +7,7 @@ tokens and text. Each choice's decoder is the one its job made: text is decoded 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -107,16 +108,17 @@ class CompletionRun:
             "model": self.pipeline.config.served_name,
         }
         try:
-            async for delta in job.deltas():
-                step = self._step(
-                    delta.choice,
-                    delta.token_ids,
-                    delta.text,
-                    delta.logprobs,
-                    delta.finish_reason,
-                    final=False,
-                )
-                yield {**header, "choices": [self._chunk_choice_json(delta.index, step)]}
+            async with contextlib.aclosing(job.deltas()) as deltas:
+                async for delta in deltas:
+                    step = self._step(
+                        delta.choice,
+                        delta.token_ids,
+                        delta.text,
+                        delta.logprobs,
+                        delta.finish_reason,
+                        final=False,
+                    )
+                    yield {**header, "choices": [self._chunk_choice_json(delta.index, step)]}
         finally:
             self.pipeline.jobs.remove(job)
         options = self.stream_options

@@ -7,6 +7,7 @@ chunks are cumulative (``text``, ``output_ids`` and logprobs so far), SGLang's d
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -63,12 +64,13 @@ class SGLangRun:
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         try:
-            async for delta in self.job.deltas():
-                self._add(delta)
-                result = self._json(delta.choice)
-                if self.listed:
-                    result["index"] = delta.index
-                yield result
+            async with contextlib.aclosing(self.job.deltas()) as deltas:
+                async for delta in deltas:
+                    self._add(delta)
+                    result = self._json(delta.choice)
+                    if self.listed:
+                        result["index"] = delta.index
+                    yield result
         finally:
             self.pipeline.jobs.remove(self.job)
 
