@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from tests.fast_app import FastApp, serve_fast
 from tokenwire.engine.base import Engine
 from tokenwire.engine.factory import create_engine
 
@@ -29,6 +30,11 @@ VLLM_TEST_DTYPE = "float32"
 VLLM_TEST_ARGS = "--enforce-eager"
 # Models vLLM cannot run on CPU: "Unsupported CPU attention configuration: head_dim=16".
 VLLM_CPU_UNSUPPORTED = ("qwen3-tiny", "qwen2-vl-tiny")
+# A test that uses one of these (directly or through another fixture) runs a real model: it is
+# marked ``model``. The rest is the fast part: ``make test-fast`` runs ``-m "not model"``.
+MODEL_FIXTURES = frozenset(
+    {"smollm2_server", "qwen3_server", "rl_server", "qwen2vl_server", "qwen2vl_strict_server"}
+)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -51,11 +57,15 @@ SESSION_ENGINE: dict[str, Any] = {"kind": "hf", "vllm_args": []}
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "hf_only: tests of the hf engine's own internals")
+    config.addinivalue_line("markers", "model: runs a real model (make test-fast skips these)")
     SESSION_ENGINE["kind"] = config.getoption("engine")
     SESSION_ENGINE["vllm_args"] = shlex.split(config.getoption("vllm_args"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)
     if config.getoption("engine") == "hf":
         return
     skip = pytest.mark.skip(reason="tests the hf engine's internals")
@@ -98,6 +108,37 @@ def engine_flags(kind: str, model: str) -> list[str]:
     if model in VLLM_CPU_UNSUPPORTED:
         pytest.skip(f"{model} does not run on vLLM's CPU engine (head_dim 16)")
     return ["--engine", kind, "--dtype", VLLM_TEST_DTYPE, *SESSION_ENGINE["vllm_args"]]
+
+
+# The qwen3 test server's flags: Qwen3 tokenizer and template with parsers, trusted request
+# templates (with tighter time and memory caps than the defaults, so the tests that hit them are
+# quick and light). The fast tests' in-process qwen3 app takes the same flags.
+QWEN3_SERVER_ARGS = [
+    "--model",
+    "qwen3-tiny",
+    "--served-model-name",
+    "qwen3-tiny",
+    "qwen3-alias",
+    "--trust-request-chat-template",
+    "--request-template-timeout-s",
+    # Wall time: the memory-cap template needs ~0.2 s of CPU, which took over 2 s on a
+    # machine with a load average of 11.
+    "5",
+    "--request-template-memory-bytes",
+    str(256 * 2**20),
+    "--reasoning-parser",
+    "qwen3",
+    "--tool-call-parser",
+    "hermes",
+    "--enable-auto-tool-choice",
+    "--max-request-bytes",
+    str(4 * 2**20),
+    "--max-model-len",
+    "4096",
+    "--request-read-timeout-s",
+    "3",
+]
+RL_SERVER_ARGS = ["--enable-rl-control"]
 
 
 def free_port() -> int:
@@ -168,41 +209,50 @@ def smollm2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]
 
 @pytest.fixture(scope="session")
 def qwen3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """Qwen3 tokenizer and template with parsers, an API key and trusted request templates
-    (with tighter time and memory caps than the defaults, so the tests that hit them are quick
-    and light)."""
-    args = [
-        "--model",
-        "qwen3-tiny",
-        "--served-model-name",
-        "qwen3-tiny",
-        "qwen3-alias",
-        "--trust-request-chat-template",
-        "--request-template-timeout-s",
-        # Wall time: the memory-cap template needs ~0.2 s of CPU, which took over 2 s on a
-        # machine with a load average of 11.
-        "5",
-        "--request-template-memory-bytes",
-        str(256 * 2**20),
-        "--reasoning-parser",
-        "qwen3",
-        "--tool-call-parser",
-        "hermes",
-        "--enable-auto-tool-choice",
-        "--max-request-bytes",
-        str(4 * 2**20),
-        "--max-model-len",
-        "4096",
-        "--request-read-timeout-s",
-        "3",
-    ]
-    yield from _start(tmp_path_factory, "qwen3", args, api_key=API_KEY)
+    """Qwen3-tiny with ``QWEN3_SERVER_ARGS`` and an API key."""
+    yield from _start(tmp_path_factory, "qwen3", QWEN3_SERVER_ARGS, api_key=API_KEY)
 
 
 @pytest.fixture(scope="session")
 def rl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """SmolLM2 with the RL control routes, for tests that pause it and swap its weights."""
-    yield from _start(tmp_path_factory, "rl", ["--enable-rl-control"], api_key=API_KEY)
+    yield from _start(tmp_path_factory, "rl", RL_SERVER_ARGS, api_key=API_KEY)
+
+
+@pytest.fixture(scope="session")
+def _fast_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastApp]:
+    yield from serve_fast(tmp_path_factory, [])
+
+
+@pytest.fixture(scope="session")
+def _fast_rl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastApp]:
+    yield from serve_fast(tmp_path_factory, RL_SERVER_ARGS, API_KEY)
+
+
+@pytest.fixture(scope="session")
+def _fast_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastApp]:
+    yield from serve_fast(tmp_path_factory, QWEN3_SERVER_ARGS, API_KEY)
+
+
+@pytest.fixture
+def fast_smollm2(_fast_smollm2: FastApp) -> Iterator[FastApp]:
+    """``smollm2_server``'s app over a fake engine, in process (see ``tests.fast_app``)."""
+    yield _fast_smollm2
+    _fast_smollm2.settle()
+
+
+@pytest.fixture
+def fast_rl(_fast_rl: FastApp) -> Iterator[FastApp]:
+    """``rl_server``'s app (RL control routes, API key) over a fake engine."""
+    yield _fast_rl
+    _fast_rl.settle()
+
+
+@pytest.fixture
+def fast_qwen3(_fast_qwen3: FastApp) -> Iterator[FastApp]:
+    """``qwen3_server``'s app (parsers, API key, request templates) over a fake engine."""
+    yield _fast_qwen3
+    _fast_qwen3.settle()
 
 
 @pytest.fixture(scope="session")
