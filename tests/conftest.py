@@ -345,8 +345,3 @@ def assert_error(response: httpx.Response, status: int, message_part: str | None
 def smollm2_openai(smollm2_server: Server) -> openai.OpenAI:
     """The real OpenAI client against the embedded default."""
     return openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="session")
-def qwen3_openai(qwen3_server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{qwen3_server.url}/v1", api_key=API_KEY, max_retries=0)
