@@ -44,6 +44,14 @@ def by_prompt(fast: FastApp, scripts: dict[tuple[int, ...], list[Any]]) -> None:
     fast.engine.script = lambda _, prompt, __: scripts[tuple(prompt)]
 
 
+def test_the_app_serves_from_a_model_dir_without_weights(fast_rl: FastApp) -> None:
+    """What the fast apps promise: nothing but the tokenizer, template and configs loads."""
+    model_dir = Path(ok(fast_rl.client.get("/model_info"))["model_path"])
+    assert (model_dir / "tokenizer.json").is_file()
+    assert not [f for f in model_dir.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf")]
+    assert fast_rl.client.get("/health").status_code == 200
+
+
 def test_control_routes_are_off_by_default(fast_smollm2: FastApp) -> None:
     client = fast_smollm2.client
     assert client.post("/pause").status_code == 404
