@@ -31,9 +31,14 @@ VLLM_TEST_ARGS = "--enforce-eager"
 # Models vLLM cannot run on CPU: "Unsupported CPU attention configuration: head_dim=16".
 VLLM_CPU_UNSUPPORTED = ("qwen3-tiny", "qwen2-vl-tiny")
 # A test that uses one of these (directly or through another fixture) runs a real model: it is
-# marked ``model``. The rest is the fast part: ``make test-fast`` runs ``-m "not model"``.
+# marked ``model``, as are tests that load or build one themselves. The rest is the fast part:
+# ``make test-fast`` runs ``-m "not model"``. The servers, then the in-process models of
+# test_engine_hf and test_generate.
 MODEL_FIXTURES = frozenset(
-    {"smollm2_server", "qwen3_server", "rl_server", "qwen2vl_server", "qwen2vl_strict_server"}
+    {
+        *("smollm2_server", "qwen3_server", "rl_server", "qwen2vl_server", "qwen2vl_strict_server"),
+        *("engine", "tiny_engine", "vl_engine", "ref_model", "vl_model", "smollm2_model"),
+    }
 )
 
 
@@ -57,7 +62,7 @@ SESSION_ENGINE: dict[str, Any] = {"kind": "hf", "vllm_args": []}
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "hf_only: tests of the hf engine's own internals")
-    config.addinivalue_line("markers", "model: runs a real model (make test-fast skips these)")
+    config.addinivalue_line("markers", "model: runs or builds a real model (not in make test-fast)")
     SESSION_ENGINE["kind"] = config.getoption("engine")
     SESSION_ENGINE["vllm_args"] = shlex.split(config.getoption("vllm_args"))
 

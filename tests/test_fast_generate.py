@@ -328,7 +328,7 @@ def test_a_stream_left_while_it_waits_to_send_ends_its_engine_requests(
     try:
         with fast_smollm2.client.stream("POST", "/inference/v1/generate", json=body) as response:
             next(line for line in response.iter_lines() if line.startswith("data: "))
-        fast_smollm2.wait_until(lambda: not fast_smollm2.engine.live, timeout=2)
+        fast_smollm2.wait_until(lambda: not fast_smollm2.engine.live, timeout=1)
     finally:
         gc.enable()
         gc.collect()  # finalizes the stream left behind, which ends its job
