@@ -225,39 +225,40 @@ def rl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="session")
-def _fast_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastApp]:
+def fast_smollm2_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastApp]:
+    """``smollm2_server``'s app over a fake engine, in process (see ``tests.fast_app``)."""
     yield from serve_fast(tmp_path_factory, [])
 
 
 @pytest.fixture(scope="session")
-def _fast_rl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastApp]:
+def fast_rl_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastApp]:
+    """``rl_server``'s app (RL control routes, API key) over a fake engine."""
     yield from serve_fast(tmp_path_factory, RL_SERVER_ARGS, API_KEY)
 
 
 @pytest.fixture(scope="session")
-def _fast_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastApp]:
+def fast_qwen3_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastApp]:
+    """``qwen3_server``'s app (parsers, API key, request templates) over a fake engine."""
     yield from serve_fast(tmp_path_factory, QWEN3_SERVER_ARGS, API_KEY)
 
 
+# The same apps for a test that drives the fake engine: put back as they started afterwards.
 @pytest.fixture
-def fast_smollm2(_fast_smollm2: FastApp) -> Iterator[FastApp]:
-    """``smollm2_server``'s app over a fake engine, in process (see ``tests.fast_app``)."""
-    yield _fast_smollm2
-    _fast_smollm2.settle()
-
-
-@pytest.fixture
-def fast_rl(_fast_rl: FastApp) -> Iterator[FastApp]:
-    """``rl_server``'s app (RL control routes, API key) over a fake engine."""
-    yield _fast_rl
-    _fast_rl.settle()
+def fast_smollm2(fast_smollm2_app: FastApp) -> Iterator[FastApp]:
+    yield fast_smollm2_app
+    fast_smollm2_app.settle()
 
 
 @pytest.fixture
-def fast_qwen3(_fast_qwen3: FastApp) -> Iterator[FastApp]:
-    """``qwen3_server``'s app (parsers, API key, request templates) over a fake engine."""
-    yield _fast_qwen3
-    _fast_qwen3.settle()
+def fast_rl(fast_rl_app: FastApp) -> Iterator[FastApp]:
+    yield fast_rl_app
+    fast_rl_app.settle()
+
+
+@pytest.fixture
+def fast_qwen3(fast_qwen3_app: FastApp) -> Iterator[FastApp]:
+    yield fast_qwen3_app
+    fast_qwen3_app.settle()
 
 
 @pytest.fixture(scope="session")
