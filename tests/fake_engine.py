@@ -58,6 +58,10 @@ class Gate:
     def open(self) -> None:
         self._opened.set()
 
+    def arrive(self) -> None:
+        """Called by the engine when it starts waiting here."""
+        self._reached.set()
+
     @property
     def is_open(self) -> bool:
         return self._opened.is_set()
@@ -117,7 +121,7 @@ class EngineCall:
 
 
 def cycle_prompt(request_id: str, prompt: list[int], sampling: SamplingParams) -> Iterator[int]:
-    """The default script: the prompt's ids over and over (only max_tokens ends it)."""
+    """The default script: the prompt's ids over and over, until the stop rule ends it."""
     while True:
         yield from prompt
 
@@ -294,7 +298,7 @@ class FakeEngine:
     async def _hold(self, call: EngineCall, gates: list[Gate]) -> None:
         """Wait while paused or a gate is shut; an abort ends the wait."""
         for gate in gates:
-            gate._reached.set()
+            gate.arrive()
         while not call.aborted and (self._paused or not all(g.is_open for g in gates)):
             await asyncio.sleep(_POLL_S)
 

@@ -17,6 +17,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,9 +57,9 @@ class FastApp:
 
     def post_then_disconnect(
         self, path: str, body: dict[str, Any], disconnect: threading.Event
-    ) -> Any:
+    ) -> Future[list[dict[str, Any]]]:
         """POST ``body`` as a client that goes away once ``disconnect`` is set (TestClient
-        cannot: its request only ends with the response). Returns a future of what was sent."""
+        cannot: its request only ends with the response). A future of the ASGI messages sent."""
         sent: list[dict[str, Any]] = []
         scope = {
             "type": "http",

@@ -226,6 +226,7 @@ def test_openai_errors(fast_smollm2: FastApp, fast_qwen3: FastApp) -> None:
             model="qwen3-tiny", messages=PARIS
         )
     assert fast_smollm2.engine.calls == [] and fast_qwen3.engine.calls == []
+    assert fast_smollm2.abort_all() == 0 and fast_qwen3.abort_all() == 0
 
 
 @pytest.mark.xfail(
