@@ -15,7 +15,7 @@ VLLM_ENV := VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1
 VLLM_TESTS := tests/test_engine_hf.py tests/test_generate.py tests/test_rl_control.py \
 	tests/test_fidelity.py tests/test_openai.py tests/test_router.py
 
-.PHONY: install serve test lint bench fuzz load install-vllm test-vllm bench-vllm
+.PHONY: install serve test test-fast lint bench fuzz load install-vllm test-vllm bench-vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ lint: install
 
 test: lint
 	$(PY) -m pytest
+
+# The model-free part: everything above the engine on a scripted fake engine (tests/fake_engine.py)
+# and the unit tests; tests that run or build a real model are marked ``model`` (tests/conftest.py).
+test-fast: install
+	$(PY) -m pytest -m "not model"
 
 bench: install
 	$(PY) bench/bench_render.py

@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from tests.fast_app import FastApp, serve_fast
 from tokenwire.engine.base import Engine
 from tokenwire.engine.factory import create_engine
 
@@ -29,6 +30,16 @@ VLLM_TEST_DTYPE = "float32"
 VLLM_TEST_ARGS = "--enforce-eager"
 # Models vLLM cannot run on CPU: "Unsupported CPU attention configuration: head_dim=16".
 VLLM_CPU_UNSUPPORTED = ("qwen3-tiny", "qwen2-vl-tiny")
+# A test that uses one of these (directly or through another fixture) runs a real model: it is
+# marked ``model``, as are tests that load or build one themselves. The rest is the fast part:
+# ``make test-fast`` runs ``-m "not model"``. The servers, then the in-process models of
+# test_engine_hf and test_generate.
+MODEL_FIXTURES = frozenset(
+    {
+        *("smollm2_server", "qwen3_server", "rl_server", "qwen2vl_server", "qwen2vl_strict_server"),
+        *("engine", "tiny_engine", "vl_engine", "ref_model", "vl_model", "smollm2_model"),
+    }
+)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -51,11 +62,15 @@ SESSION_ENGINE: dict[str, Any] = {"kind": "hf", "vllm_args": []}
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "hf_only: tests of the hf engine's own internals")
+    config.addinivalue_line("markers", "model: runs or builds a real model (not in make test-fast)")
     SESSION_ENGINE["kind"] = config.getoption("engine")
     SESSION_ENGINE["vllm_args"] = shlex.split(config.getoption("vllm_args"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)
     if config.getoption("engine") == "hf":
         return
     skip = pytest.mark.skip(reason="tests the hf engine's internals")
@@ -98,6 +113,37 @@ def engine_flags(kind: str, model: str) -> list[str]:
     if model in VLLM_CPU_UNSUPPORTED:
         pytest.skip(f"{model} does not run on vLLM's CPU engine (head_dim 16)")
     return ["--engine", kind, "--dtype", VLLM_TEST_DTYPE, *SESSION_ENGINE["vllm_args"]]
+
+
+# The qwen3 test server's flags: Qwen3 tokenizer and template with parsers, trusted request
+# templates (with tighter time and memory caps than the defaults, so the tests that hit them are
+# quick and light). The fast tests' in-process qwen3 app takes the same flags.
+QWEN3_SERVER_ARGS = [
+    "--model",
+    "qwen3-tiny",
+    "--served-model-name",
+    "qwen3-tiny",
+    "qwen3-alias",
+    "--trust-request-chat-template",
+    "--request-template-timeout-s",
+    # Wall time: the memory-cap template needs ~0.2 s of CPU, which took over 2 s on a
+    # machine with a load average of 11.
+    "5",
+    "--request-template-memory-bytes",
+    str(256 * 2**20),
+    "--reasoning-parser",
+    "qwen3",
+    "--tool-call-parser",
+    "hermes",
+    "--enable-auto-tool-choice",
+    "--max-request-bytes",
+    str(4 * 2**20),
+    "--max-model-len",
+    "4096",
+    "--request-read-timeout-s",
+    "3",
+]
+RL_SERVER_ARGS = ["--enable-rl-control"]
 
 
 def free_port() -> int:
@@ -168,41 +214,51 @@ def smollm2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]
 
 @pytest.fixture(scope="session")
 def qwen3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """Qwen3 tokenizer and template with parsers, an API key and trusted request templates
-    (with tighter time and memory caps than the defaults, so the tests that hit them are quick
-    and light)."""
-    args = [
-        "--model",
-        "qwen3-tiny",
-        "--served-model-name",
-        "qwen3-tiny",
-        "qwen3-alias",
-        "--trust-request-chat-template",
-        "--request-template-timeout-s",
-        # Wall time: the memory-cap template needs ~0.2 s of CPU, which took over 2 s on a
-        # machine with a load average of 11.
-        "5",
-        "--request-template-memory-bytes",
-        str(256 * 2**20),
-        "--reasoning-parser",
-        "qwen3",
-        "--tool-call-parser",
-        "hermes",
-        "--enable-auto-tool-choice",
-        "--max-request-bytes",
-        str(4 * 2**20),
-        "--max-model-len",
-        "4096",
-        "--request-read-timeout-s",
-        "3",
-    ]
-    yield from _start(tmp_path_factory, "qwen3", args, api_key=API_KEY)
+    """Qwen3-tiny with ``QWEN3_SERVER_ARGS`` and an API key."""
+    yield from _start(tmp_path_factory, "qwen3", QWEN3_SERVER_ARGS, api_key=API_KEY)
 
 
 @pytest.fixture(scope="session")
 def rl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """SmolLM2 with the RL control routes, for tests that pause it and swap its weights."""
-    yield from _start(tmp_path_factory, "rl", ["--enable-rl-control"], api_key=API_KEY)
+    yield from _start(tmp_path_factory, "rl", RL_SERVER_ARGS, api_key=API_KEY)
+
+
+@pytest.fixture(scope="session")
+def fast_smollm2_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastApp]:
+    """``smollm2_server``'s app over a fake engine, in process (see ``tests.fast_app``)."""
+    yield from serve_fast(tmp_path_factory, [])
+
+
+@pytest.fixture(scope="session")
+def fast_rl_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastApp]:
+    """``rl_server``'s app (RL control routes, API key) over a fake engine."""
+    yield from serve_fast(tmp_path_factory, RL_SERVER_ARGS, API_KEY)
+
+
+@pytest.fixture(scope="session")
+def fast_qwen3_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastApp]:
+    """``qwen3_server``'s app (parsers, API key, request templates) over a fake engine."""
+    yield from serve_fast(tmp_path_factory, QWEN3_SERVER_ARGS, API_KEY)
+
+
+# The same apps for a test that drives the fake engine: put back as they started afterwards.
+@pytest.fixture
+def fast_smollm2(fast_smollm2_app: FastApp) -> Iterator[FastApp]:
+    yield fast_smollm2_app
+    fast_smollm2_app.settle()
+
+
+@pytest.fixture
+def fast_rl(fast_rl_app: FastApp) -> Iterator[FastApp]:
+    yield fast_rl_app
+    fast_rl_app.settle()
+
+
+@pytest.fixture
+def fast_qwen3(fast_qwen3_app: FastApp) -> Iterator[FastApp]:
+    yield fast_qwen3_app
+    fast_qwen3_app.settle()
 
 
 @pytest.fixture(scope="session")
@@ -295,8 +351,3 @@ def assert_error(response: httpx.Response, status: int, message_part: str | None
 def smollm2_openai(smollm2_server: Server) -> openai.OpenAI:
     """The real OpenAI client against the embedded default."""
     return openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="session")
-def qwen3_openai(qwen3_server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{qwen3_server.url}/v1", api_key=API_KEY, max_retries=0)

@@ -211,6 +211,7 @@ def test_qwen3_chat_template(qwen3_dir: Path, qwen3_tok: Any) -> None:
     assert no_think.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
+@pytest.mark.model
 def test_qwen3_model(qwen3_dir: Path, qwen3_tok: Any) -> None:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -283,6 +284,7 @@ def test_qwen2_vl_chat_template(vl_dir: Path) -> None:
     assert f"Picture 1: {img}Picture 2: {img}Video 1: {vid}" in numbered
 
 
+@pytest.mark.model
 def test_qwen2_vl_logits_depend_on_image(vl_dir: Path) -> None:
     from tokenwire.assets.qwen2_vl_tiny import check_image_dependence
 
@@ -316,6 +318,7 @@ def test_smollm2_files(smol_dir: Path) -> None:
     assert tok.encode("hi there") == [6004, 665]  # no BOS added
 
 
+@pytest.mark.model
 def test_smollm2_greedy_paris(smol_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -353,6 +356,7 @@ _CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.model
 def test_concurrent_prepare_builds_once(tmp_path: Path, qwen3_dir: Path) -> None:
     # Share the verified sdist so the fresh cache does not download it again.
     env = {

@@ -1,4 +1,4 @@
-"""Render and derender on the real qwen3-tiny server (parsers on) and the SmolLM2 server."""
+"""Render and derender on the qwen3-tiny test server's app (parsers on)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from tests.chat_fixtures import TOOLS
 from tests.conftest import assert_error
+from tests.fast_app import FastApp
 
 IM_END = 151645
 THINK_AND_CALL = (
@@ -24,6 +25,13 @@ CHAT_REQUEST = {
     "tools": TOOLS,
     "tool_choice": "auto",
 }
+
+
+# Nothing here runs the model: the test server's own app over a fake engine, in process
+# (``tests.fast_app``), which makes these tests part of ``make test-fast``.
+@pytest.fixture(scope="session")
+def qwen3(fast_qwen3_app: FastApp) -> httpx.Client:
+    return fast_qwen3_app.client
 
 
 def ids_of(client: httpx.Client, text: str) -> list[int]:

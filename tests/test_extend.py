@@ -15,8 +15,23 @@ from hypothesis import strategies as st
 
 from tests.chat_fixtures import WEATHER_TOOL
 from tests.conftest import assert_error
+from tests.fast_app import FastApp
 
 EXTEND = "/v1/chat/completions/extend"
+
+
+# Nothing here runs the model: the test server's own app over a fake engine, in process
+# (``tests.fast_app``), which makes these tests part of ``make test-fast``.
+@pytest.fixture(scope="session")
+def qwen3(fast_qwen3_app: FastApp) -> httpx.Client:
+    return fast_qwen3_app.client
+
+
+@pytest.fixture(scope="session")
+def smollm2(fast_smollm2_app: FastApp) -> httpx.Client:
+    return fast_smollm2_app.client
+
+
 IM_END = 151645
 THINK_CLOSE = 151668
 ON = {"enable_thinking": True}
@@ -317,9 +332,8 @@ def test_bad_input(qwen3: httpx.Client, change: dict, status: int, message: str)
     assert_error(qwen3.post(EXTEND, json=body), status, message)
 
 
-def test_needs_the_api_key(qwen3_server) -> None:
-    response = httpx.post(f"{qwen3_server.url}{EXTEND}", json={})
-    assert_error(response, 401)
+def test_needs_the_api_key(qwen3: httpx.Client) -> None:
+    assert_error(qwen3.post(EXTEND, json={}, headers={"Authorization": ""}), 401)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))

@@ -162,6 +162,7 @@ def test_forged_stream_state_with_unknown_ids_is_a_400(qwen3: httpx.Client) -> N
     assert response.status_code == 400, response.text
 
 
+@pytest.mark.model  # its own server, with the model
 def test_sigterm_lets_requests_finish_then_aborts_and_exits_0(tmp_path: Path) -> None:
     """SIGTERM: new requests get a JSON 503, a short request finishes, long ones end with
     finish_reason "abort" (a stream with its last chunk and [DONE]), and the process exits 0."""

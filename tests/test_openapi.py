@@ -6,8 +6,17 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.fast_app import FastApp
+
 STREAMING = ["/inference/v1/generate", "/v1/chat/completions", "/v1/completions", "/generate"]
 ERROR_BODY = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+
+
+# The document is the app's: the test server's own app over a fake engine, in process
+# (``tests.fast_app``), which makes these tests part of ``make test-fast``.
+@pytest.fixture(scope="session")
+def qwen3(fast_qwen3_app: FastApp) -> httpx.Client:
+    return fast_qwen3_app.client
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import Server, assert_error
+from tests.fast_app import FastApp
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 ECHO = "{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -39,12 +40,22 @@ HOSTILE = {
 }
 
 
+# The tests that need no socket run on the test server's own app over a fake engine, in process
+# (``tests.fast_app``); the ones that time out a client or race many stay on the real server.
+@pytest.fixture(scope="session")
+def qwen3(fast_qwen3_app: FastApp) -> httpx.Client:
+    return fast_qwen3_app.client
+
+
 def tokenize(
-    client: httpx.Client, template: str | None = None, timeout: float = 60, **extra: object
+    client: httpx.Client, template: str | None = None, timeout: float | None = None, **extra: object
 ) -> httpx.Response:
+    """``timeout``: the client's own unless given (TestClient takes none)."""
     body: dict[str, object] = {"messages": MESSAGES, **extra}
     if template is not None:
         body["chat_template"] = template
+    if timeout is None:
+        return client.post("/tokenize", json=body)
     return client.post("/tokenize", json=body, timeout=timeout)
 
 

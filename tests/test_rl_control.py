@@ -1,11 +1,12 @@
 """An RL training loop's shape end to end on SmolLM2: generate, pause in every mode with requests
 in flight, reload perturbed weights, resume; versions on every token and trainer-parity logprobs
-with the NEW weights. Plus every control route's success and bad input, and SGLang's /generate."""
+with the NEW weights, and what the hf engine does with bad weights and its prefix cache. The
+control routes' shapes, bad input and SGLang's /generate are in ``test_fast_control`` and
+``test_fast_sglang``."""
 
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import threading
 import time
@@ -131,20 +132,6 @@ def ok(response: httpx.Response) -> Any:
     return response.json() if response.content else None
 
 
-def test_control_routes_are_off_by_default(smollm2: httpx.Client) -> None:
-    assert smollm2.post("/pause").status_code == 404
-    assert smollm2.post("/update_weights", json={"weight_dir": "/tmp"}).status_code == 404
-    # Routers' load endpoints are always there.
-    assert ok(smollm2.get("/get_load")) == {"load": 0}
-    assert ok(smollm2.get("/load")) == {"server_load": 0}
-
-
-def test_control_routes_need_the_api_key(rl_server: Server) -> None:
-    with httpx.Client(base_url=rl_server.url) as anonymous:
-        assert anonymous.post("/pause").status_code == 401
-        assert anonymous.post("/update_weights", json={"weight_dir": "/tmp"}).status_code == 401
-
-
 def test_pause_abort_ends_requests_in_flight(rl_server: Server, rl: httpx.Client) -> None:
     stream = Stream(rl_server, [1, 2, 3], max_tokens=500, ignore_eos=True)
     stream.wait_for_tokens(3)
@@ -256,113 +243,6 @@ def test_bad_weights_are_refused_and_the_old_ones_stay(rl: httpx.Client, tmp_pat
     assert rl.post("/update_weights", json={"weight_dir": str(tmp_path)}).status_code == 400
     assert ok(generate(rl, [1, 2, 3], max_tokens=6))["choices"][0]["token_ids"] == before
     assert ok(rl.get("/weight_info")) == {"weight_version": "default"}
-
-
-@pytest.mark.parametrize(
-    ("method", "path", "kwargs"),
-    [
-        ("post", "/pause", {"params": {"mode": "sometimes"}}),
-        ("post", "/pause", {"params": {"clear_cache": "maybe"}}),
-        ("post", "/sleep", {"params": {"level": 3}}),
-        ("post", "/update_weight_version", {"json": {}}),
-        ("post", "/update_weight_version", {"json": {"new_version": ""}}),
-        ("post", "/update_weights", {"json": {"weights": "/tmp"}}),
-        ("post", "/update_weights_from_disk", {"json": {"model_path": 3}}),
-        ("post", "/pause_generation", {"json": {"mode": "later"}}),
-        ("post", "/abort_requests", {"json": {"request_ids": "all"}}),
-    ],
-)
-def test_control_bad_input_is_a_400(rl: httpx.Client, method: str, path: str, kwargs: dict) -> None:
-    response = getattr(rl, method)(path, **kwargs)
-    assert response.status_code == 400, response.text
-    assert ok(rl.get("/is_paused")) == {"is_paused": False}
-
-
-def test_versions_sleep_and_the_sglang_names(rl_server: Server, rl: httpx.Client) -> None:
-    assert ok(rl.post("/update_weight_version", json={"new_version": "v7"}))["new_version"] == "v7"
-    choice = ok(generate(rl, [1, 2, 3], max_tokens=3))["choices"][0]
-    assert choice["weight_versions"] == [{"version": "v7", "start": 0, "end": 3}]
-    ok(rl.post("/update_weight_version", json={"new_version": "default"}))
-    assert ok(rl.post("/reset_prefix_cache")) == {"success": True}
-    assert ok(rl.get("/get_world_size")) == {"world_size": 1}
-    # Sleep: requests are refused until wake-up.
-    ok(rl.post("/sleep", params={"level": 1}))
-    assert ok(rl.get("/is_sleeping")) == {"is_sleeping": True}
-    assert generate(rl, [1, 2, 3], max_tokens=2).status_code == 503
-    ok(rl.post("/wake_up"))
-    assert ok(rl.get("/is_sleeping")) == {"is_sleeping": False}
-    # SGLang: pause_generation (each mode) and continue_generation.
-    for mode in ("abort", "retract", "in_place"):
-        stream = Stream(rl_server, [1, 2, 3], max_tokens=10, ignore_eos=True)
-        stream.wait_for_tokens(1)
-        paused = ok(rl.post("/pause_generation", json={"mode": mode}))
-        assert paused["status"] == "ok"
-        assert ok(rl.post("/continue_generation", json={}))["status"] == "ok"
-        expected = "abort" if mode == "abort" else "length"
-        assert stream.final()["finish_reason"] == expected
-    # SGLang's abort: one by rid, or all.
-    stream = Stream(rl_server, [1, 2, 3], max_tokens=500, ignore_eos=True)
-    stream.wait_for_tokens(1)
-    assert rl.post("/abort_request", json={"abort_all": True}).status_code == 200
-    assert stream.final()["finish_reason"] == "abort"
-    # vLLM's two abort shapes.
-    assert ok(rl.post("/abort_requests", json={})) == {"status": "aborted", "aborted": 0}
-    assert rl.post("/inference/v1/abort_requests", json={"request_ids": []}).status_code == 200
-
-
-def test_sglang_generate(rl_server: Server, rl: httpx.Client, prompt_ids: list[int]) -> None:
-    body: dict[str, Any] = {
-        "input_ids": prompt_ids,
-        "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
-        "return_logprob": True,
-        "top_logprobs_num": 2,
-        "return_text_in_logprobs": True,
-        "rid": "sg-1",
-    }
-    data = ok(rl.post("/generate", json=body))
-    meta = data["meta_info"]
-    reference = ok(generate(rl, prompt_ids, max_tokens=5, ignore_eos=True))["choices"][0]
-    assert data["output_ids"] == reference["token_ids"]
-    assert meta["id"] == "sg-1" and meta["prompt_tokens"] == len(prompt_ids)
-    assert meta["completion_tokens"] == 5 and meta["cached_tokens"] == 0
-    assert meta["finish_reason"] == {"type": "length", "length": 5}
-    assert meta["weight_version"] == "default"
-    assert [e[1] for e in meta["output_token_logprobs"]] == data["output_ids"]
-    assert "".join(e[2] for e in meta["output_token_logprobs"]) == data["text"]
-    assert all(len(top) == 2 for top in meta["output_top_logprobs"])
-    # Text in, stop string matched and trimmed; streaming is cumulative.
-    text_body = {
-        "text": "The capital of France is",
-        "sampling_params": {"max_new_tokens": 12, "temperature": 0, "stop": ["ar"]},
-    }
-    whole = ok(rl.post("/generate", json=text_body))
-    assert whole["meta_info"]["finish_reason"] == {"type": "stop", "matched": "ar"}
-    assert "ar" not in whole["text"]
-    with rl.stream("POST", "/generate", json={**text_body, "stream": True}) as response:
-        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
-    chunks = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
-    assert lines[-1] == "data: [DONE]"
-    assert chunks[-1]["text"] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
-    assert all(len(a["output_ids"]) <= len(b["output_ids"]) for a, b in itertools.pairwise(chunks))
-
-
-@pytest.mark.parametrize(
-    "body",
-    [
-        {"sampling_params": {}},
-        {"text": "a", "input_ids": [1]},
-        {"text": ["a", 1]},
-        {"input_ids": [[1], 2]},
-        {"input_ids": [[1], [-1]]},
-        {"input_ids": [-1]},
-        {"input_ids": [10**9]},
-        {"text": ["a", "b"], "rid": ["only-one"]},
-        {"text": "a", "sampling_params": {"n": 1000}},
-        {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2},
-    ],
-)
-def test_sglang_generate_bad_input(rl: httpx.Client, body: dict) -> None:
-    assert rl.post("/generate", json=body).status_code == 400
 
 
 def test_a_choice_ending_on_a_stop_string_keeps_its_weight_version(

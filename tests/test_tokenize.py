@@ -1,4 +1,4 @@
-"""/tokenize and /detokenize against real servers, compared with transformers."""
+"""/tokenize and /detokenize on the test servers' apps, compared with transformers."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.chat_fixtures import CONVERSATIONS, TOOLS, with_string_arguments
-from tests.conftest import assert_error
+from tests.conftest import Server, assert_error
+from tests.fast_app import FastApp
 from tokenwire.assets.qwen_tokenizer import load_reference_cases
 
 TEMPLATES = [
@@ -23,6 +24,18 @@ TEMPLATES = [
 ]
 # (add_generation_prompt, continue_final_message); both true is a 400, tested below.
 FLAG_PAIRS = [(True, False), (False, False), (False, True)]
+
+
+# Nothing here runs the model: the test server's own app over a fake engine, in process
+# (``tests.fast_app``), which makes these tests part of ``make test-fast``.
+@pytest.fixture(scope="session")
+def qwen3(fast_qwen3_app: FastApp) -> httpx.Client:
+    return fast_qwen3_app.client
+
+
+@pytest.fixture(scope="session")
+def smollm2(fast_smollm2_app: FastApp) -> httpx.Client:
+    return fast_smollm2_app.client
 
 
 def hf_chat_ids(
@@ -287,38 +300,41 @@ def test_untrusted_request_template_is_400(smollm2: httpx.Client) -> None:
     )
 
 
-def test_api_key_required_except_health(qwen3_server) -> None:
-    with httpx.Client(base_url=qwen3_server.url) as anonymous:
-        assert anonymous.get("/health").status_code == 200
-        for method, path in [
-            ("POST", "/tokenize"),
-            ("GET", "/v1/models"),
-            ("GET", "/metrics"),
-            ("GET", "/version"),
-            ("GET", "/no/such/route"),
-        ]:
-            assert_error(anonymous.request(method, path, json={"prompt": "x"}), 401, "API key")
-        wrong = {"Authorization": "Bearer wrong"}
-        assert_error(anonymous.post("/tokenize", json={"prompt": "x"}, headers=wrong), 401)
+def test_api_key_required_except_health(qwen3: httpx.Client) -> None:
+    anonymous = {"Authorization": ""}
+    assert qwen3.get("/health", headers=anonymous).status_code == 200
+    for method, path in [
+        ("POST", "/tokenize"),
+        ("GET", "/v1/models"),
+        ("GET", "/metrics"),
+        ("GET", "/version"),
+        ("GET", "/no/such/route"),
+    ]:
+        response = qwen3.request(method, path, json={"prompt": "x"}, headers=anonymous)
+        assert_error(response, 401, "API key")
+    wrong = {"Authorization": "Bearer wrong"}
+    assert_error(qwen3.post("/tokenize", json={"prompt": "x"}, headers=wrong), 401)
 
 
 def test_unknown_route_is_404(qwen3: httpx.Client) -> None:
     assert_error(qwen3.get("/no/such/route"), 404)
 
 
-def test_oversized_body_is_413(qwen3: httpx.Client) -> None:
+def test_oversized_body_is_413(qwen3_server: Server) -> None:
+    """On the real server: only there does a chunked upload reach the app in pieces."""
     big = {"prompt": "x" * (5 * 2**20)}
-    assert_error(qwen3.post("/tokenize", json=big), 413)
 
     def chunks():  # no Content-Length: chunked transfer
         for _ in range(6):
             yield b" " * 2**20
 
-    response = qwen3.post(
-        "/tokenize", content=chunks(), headers={"Content-Type": "application/json"}
-    )
-    assert_error(response, 413)
-    assert qwen3.post("/tokenize", json={"prompt": "still serving"}).status_code == 200
+    with qwen3_server.client() as client:
+        assert_error(client.post("/tokenize", json=big), 413)
+        response = client.post(
+            "/tokenize", content=chunks(), headers={"Content-Type": "application/json"}
+        )
+        assert_error(response, 413)
+        assert client.post("/tokenize", json={"prompt": "still serving"}).status_code == 200
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,7 @@ from tokenwire.api.routes import (
     sglang,
     tokenize,
 )
+from tokenwire.engine.base import Engine
 from tokenwire.engine.factory import create_engine
 from tokenwire.media.prompt import IMAGE_PAD
 from tokenwire.media.service import MediaService
@@ -51,13 +52,15 @@ logger = logging.getLogger("tokenwire")
 GC_THRESHOLDS = (500_000, 20, 20)
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
+    """The app for ``settings``; ``engine`` (unstarted) replaces the one ``--engine`` names, so
+    tests can run everything above the engine on a scripted one."""
     pipeline = Pipeline(config=ServingConfig.from_settings(settings))
     metrics = Metrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        loading = asyncio.create_task(_load_runtime(pipeline, settings, metrics))
+        loading = asyncio.create_task(_load_runtime(pipeline, settings, metrics, engine))
         try:
             yield
         finally:
@@ -106,7 +109,9 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
-async def _load_runtime(pipeline: Pipeline, settings: Settings, metrics: Metrics) -> None:
+async def _load_runtime(
+    pipeline: Pipeline, settings: Settings, metrics: Metrics, engine: Engine | None
+) -> None:
     try:
         model_dir = await asyncio.to_thread(resolve_model_dir, settings.model, logger.info)
         tokenizer = await asyncio.to_thread(Tokenizer.load, model_dir)
@@ -128,16 +133,17 @@ async def _load_runtime(pipeline: Pipeline, settings: Settings, metrics: Metrics
                 settings.request_template_limits(), tokenizer.special_tokens_map
             )
             await request_templates.start()
-        engine = create_engine(
-            settings.engine,
-            model_dir,
-            max_model_len=settings.max_model_len,
-            max_num_seqs=settings.max_num_seqs,
-            device=settings.device,
-            dtype=settings.dtype,
-            extra_args=settings.engine_args,
-            prefix_cache_bytes=settings.prefix_cache_bytes,
-        )
+        if engine is None:
+            engine = create_engine(
+                settings.engine,
+                model_dir,
+                max_model_len=settings.max_model_len,
+                max_num_seqs=settings.max_num_seqs,
+                device=settings.device,
+                dtype=settings.dtype,
+                extra_args=settings.engine_args,
+                prefix_cache_bytes=settings.prefix_cache_bytes,
+            )
         await engine.start()
     except asyncio.CancelledError:
         raise

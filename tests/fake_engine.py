@@ -1,0 +1,368 @@
+"""A scripted ``Engine`` for model-free tests of everything above the engine.
+
+A test says which tokens each engine request samples (a *script*: a function of the request id,
+the prompt ids and the sampling params); the fake reports them the way the real engines do:
+one output per scripted step, logprobs clipped to the request's k, the stop rule of the hf
+engine (eos -> "stop" with stop_reason None, a ``stop_token_ids`` hit -> that id, max_tokens or
+the context -> "length"), the weight version current when each output is made, aborts that end
+the stream with "abort" and the tokens so far, and vLLM's three pause modes.
+
+The app runs on TestClient's event-loop thread while the test drives it from its own, so the
+sync points are thread-safe: a ``Gate`` holds back one output until the test opens it, and tells
+the test when the engine is waiting at it.
+
+Script by prompt (or seed), not by request id: the generation job mints the engine's request
+ids, and how it names them is its own business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenwire.engine.base import (
+    DEFAULT_WEIGHT_VERSION,
+    EngineError,
+    EngineOutput,
+    EngineStats,
+    FinishReason,
+    MultiModalInput,
+    PauseMode,
+    SamplingParams,
+    TokenLogprob,
+    WeightsError,
+)
+from tokenwire.engine.stopping import check_stop
+
+# How often a held request looks again at its gate, the pause and its abort flag. Polling keeps
+# the fake free of cross-thread wake-ups (gates are opened from the test's thread).
+_POLL_S = 0.002
+# The hf engine's cap on the context when the config allows more.
+_MAX_MODEL_LEN_CAP = 8192
+# Ids of the made-up alternatives around a scripted token (see ``Step.top``).
+_FILLER_IDS = range(1000, 1100)
+_MADE_UP_TOP = 20
+
+
+class Gate:
+    """Holds back the output of the step that carries it until ``open()`` (from any thread)."""
+
+    def __init__(self) -> None:
+        self._opened = threading.Event()
+        self._reached = threading.Event()
+
+    def open(self) -> None:
+        self._opened.set()
+
+    def arrive(self) -> None:
+        """Called by the engine when it starts waiting here."""
+        self._reached.set()
+
+    @property
+    def is_open(self) -> bool:
+        return self._opened.is_set()
+
+    def wait_reached(self, timeout: float = 10.0) -> None:
+        """Block until the engine waits at this gate: every earlier output has been sent."""
+        assert self._reached.wait(timeout), "the engine never reached the gate"
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One sampled token. ``top``: the most likely tokens at its position, best first (None:
+    made up, with the sampled token at ``rank``); the engine reports the first k of them."""
+
+    token_id: int
+    logprob: float = -0.5
+    rank: int = 1
+    top: tuple[tuple[int, float], ...] | None = None
+    gate: Gate | None = None
+
+    def token_logprob(self, k: int) -> TokenLogprob:
+        top = self.top if self.top is not None else _made_up_top(self)
+        return TokenLogprob(self.token_id, self.logprob, self.rank, tuple(top[:k]))
+
+
+# One engine output: a token, a step, or several of them sent together.
+Output = int | Step | Sequence[int | Step]
+
+
+@dataclass(slots=True)
+class Reply:
+    """What one engine request produces: its outputs in order, and its first output's extras.
+
+    The script may run out only after the stop rule ended the request (else the request fails,
+    as a broken engine would). ``prompt_logprobs`` (None: made up) are sent when asked for.
+    """
+
+    outputs: Iterable[Output]
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+Script = Callable[[str, list[int], SamplingParams], Reply | Iterable[Output]]
+
+
+@dataclass(slots=True)
+class EngineCall:
+    """One ``generate`` call as the engine saw it, and what it has sent so far."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    media: MultiModalInput | None
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    aborted: bool = False
+
+
+def cycle_prompt(request_id: str, prompt: list[int], sampling: SamplingParams) -> Iterator[int]:
+    """The default script: the prompt's ids over and over, until the stop rule ends it."""
+    while True:
+        yield from prompt
+
+
+class FakeEngine:
+    """Implements ``tokenwire.engine.base.Engine``; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.script: Script = cycle_prompt
+        self.weight_version = DEFAULT_WEIGHT_VERSION
+        self.calls: list[EngineCall] = []
+        self.live: dict[str, EngineCall] = {}
+        self.loaded_weights: list[tuple[Path, str]] = []
+        self.cache_resets = 0
+        self._started = False
+        self._paused = False
+        self._draining = False  # a "wait" pause waiting for the requests in flight
+
+    @classmethod
+    def for_model(cls, model_dir: Path, *, max_model_len: int | None = None) -> FakeEngine:
+        """Sized like the hf engine sizes ``model_dir``: its config's vocabulary, eos ids from
+        the generation config, the context capped as the hf engine caps it."""
+        config = json.loads((model_dir / "config.json").read_text())
+        generation = model_dir / "generation_config.json"
+        eos = (
+            json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
+        )
+        eos = config.get("eos_token_id") if eos is None else eos
+        limit = config.get("max_position_embeddings") or _MAX_MODEL_LEN_CAP
+        return cls(
+            model_name=model_dir.name,
+            max_model_len=max_model_len or min(limit, _MAX_MODEL_LEN_CAP),
+            vocab_size=config["vocab_size"],
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
+        )
+
+    # -- the Engine protocol ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._started = True
+
+    def is_ready(self) -> bool:
+        return self._started
+
+    async def shutdown(self) -> None:
+        for call in self.live.values():
+            call.aborted = True
+        self._started = False
+
+    def stats(self) -> EngineStats:
+        return EngineStats(running=len(self.live), waiting=0, max_num_seqs=64)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        media: MultiModalInput | None = None,
+    ) -> AsyncIterator[EngineOutput]:
+        """Yield the script's outputs until the stop rule ends it; closing early aborts."""
+        prompt = list(prompt_token_ids)
+        if not self._started:
+            raise EngineError("the engine is not running")
+        # No prompt checks: validation above the engine refuses what does not fit, and the
+        # bad-input tests see that the engine never got it (``calls``).
+        if request_id in self.live:
+            raise EngineError(f"request id {request_id!r} is already running")
+        reply = self.script(request_id, prompt, sampling)
+        if not isinstance(reply, Reply):
+            reply = Reply(reply)
+        call = EngineCall(request_id, prompt, sampling, media)
+        self.calls.append(call)
+        self.live[request_id] = call
+        try:
+            first = True
+            for scripted in reply.outputs:
+                steps = [
+                    _step(s) for s in (scripted if isinstance(scripted, Sequence) else [scripted])
+                ]
+                await self._hold(call, [s.gate for s in steps if s.gate is not None])
+                if call.aborted:
+                    break
+                output = self._output(call, steps)
+                if first:
+                    first = False
+                    output.num_prompt_tokens = len(prompt)
+                    output.num_cached_tokens = reply.num_cached_tokens
+                    if sampling.prompt_logprobs is not None:
+                        output.prompt_logprobs = _prompt_logprobs(
+                            prompt, reply.prompt_logprobs, sampling.prompt_logprobs
+                        )
+                call.finish_reason = output.finish_reason
+                yield output
+                if output.finish_reason is not None:
+                    return
+            if not call.aborted:
+                raise RuntimeError(f"fake engine: the script of {request_id!r} ran out")
+            call.finish_reason = "abort"
+            yield EngineOutput([], finish_reason="abort", weight_version=self.weight_version)
+        finally:
+            if self.live.get(request_id) is call:
+                del self.live[request_id]
+
+    async def abort(self, request_id: str) -> bool:
+        call = self.live.get(request_id)
+        if call is None:
+            return False
+        call.aborted = True
+        return True
+
+    # -- RL control ---------------------------------------------------------------------------
+
+    def is_paused(self) -> bool:
+        return self._paused
+
+    async def pause(self, mode: PauseMode, *, clear_cache: bool = False) -> int:
+        in_flight = len(self.live)
+        if mode == "abort":
+            for call in self.live.values():
+                call.aborted = True
+        elif mode == "wait":
+            self._draining = True
+            while self.live and self._draining:
+                await asyncio.sleep(_POLL_S)
+            if not self._draining:  # a resume came first: not paused
+                return in_flight
+            self._draining = False
+        if clear_cache:
+            self.cache_resets += 1
+        self._paused = True
+        return in_flight
+
+    async def resume(self) -> None:
+        self._paused = False
+        self._draining = False
+
+    async def load_weights(self, weight_dir: Path, version: str) -> None:
+        if not Path(weight_dir).is_dir():
+            raise WeightsError(f"{weight_dir} is not a directory")
+        self.loaded_weights.append((Path(weight_dir), version))
+        self.weight_version = version
+
+    async def set_weight_version(self, version: str) -> None:
+        self.weight_version = version
+
+    async def reset_prefix_cache(self) -> bool:
+        self.cache_resets += 1
+        return True
+
+    # -- for tests ----------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Back to a fresh engine's state (the previous test's requests have ended)."""
+        self.script = cycle_prompt
+        self.weight_version = DEFAULT_WEIGHT_VERSION
+        self.calls.clear()
+        self.loaded_weights.clear()
+        self.cache_resets = 0
+        self._paused = False
+        self._draining = False
+
+    async def _hold(self, call: EngineCall, gates: list[Gate]) -> None:
+        """Wait while paused or a gate is shut; an abort ends the wait."""
+        for gate in gates:
+            gate.arrive()
+        while not call.aborted and (self._paused or not all(g.is_open for g in gates)):
+            await asyncio.sleep(_POLL_S)
+
+    def _output(self, call: EngineCall, steps: list[Step]) -> EngineOutput:
+        """The next output: ``steps`` up to the one the stop rule ends the request at."""
+        sampling = call.sampling
+        taken: list[Step] = []
+        finish: FinishReason | None = None
+        stop_reason: int | None = None
+        for step in steps:
+            taken.append(step)
+            call.output_ids.append(step.token_id)
+            finish, stop_reason = self._finish(call, step.token_id)
+            if finish is not None:
+                break
+        logprobs = None
+        if sampling.logprobs is not None:
+            logprobs = [s.token_logprob(sampling.logprobs) for s in taken]
+        return EngineOutput(
+            new_token_ids=[s.token_id for s in taken],
+            logprobs=logprobs,
+            finish_reason=finish,
+            stop_reason=stop_reason,
+            weight_version=self.weight_version,
+        )
+
+    def _finish(self, call: EngineCall, token: int) -> tuple[FinishReason | None, int | None]:
+        """The engines' one stop rule (``engine.stopping``)."""
+        n = len(call.output_ids)
+        return check_stop(
+            token,
+            n,
+            call.sampling,
+            self.eos_token_ids,
+            context_full=len(call.prompt_token_ids) + n >= self.max_model_len,
+        )
+
+
+def _step(scripted: int | Step) -> Step:
+    return scripted if isinstance(scripted, Step) else Step(scripted)
+
+
+def _made_up_top(step: Step) -> list[tuple[int, float]]:
+    """A descending top list with the sampled token at its rank, other ids as filler, 0.1
+    apart (so a rank > 1 needs a logprob below -0.1 * (rank - 1) to stay a logprob)."""
+    fillers = (i for i in _FILLER_IDS if i != step.token_id)
+    return [
+        (
+            step.token_id if rank == step.rank else next(fillers),
+            step.logprob + 0.1 * (step.rank - rank),
+        )
+        for rank in range(1, max(_MADE_UP_TOP, step.rank) + 1)
+    ]
+
+
+def _prompt_logprobs(
+    prompt: list[int], scripted: list[TokenLogprob | None] | None, k: int
+) -> list[TokenLogprob | None]:
+    """The scripted prompt logprobs clipped to k, or made up: none for the first position."""
+    if scripted is None:
+        return [None] + [
+            Step(token, logprob=-1.0 - i % 4, rank=1 + i % 3).token_logprob(k)
+            for i, token in enumerate(prompt[1:], start=1)
+        ]
+    return [
+        None if e is None else TokenLogprob(e.token_id, e.logprob, e.rank, e.top[:k])
+        for e in scripted
+    ]

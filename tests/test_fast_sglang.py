@@ -1,0 +1,135 @@
+"""SGLang's /generate over the fake engine: meta_info, finish reason shapes, logprobs, text in,
+cumulative streaming and bad input."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from tests.fake_engine import Reply, Step
+from tests.fast_app import FastApp, sse_chunks
+
+EOS = 2  # SmolLM2's <|im_end|>
+PROMPT = [504, 3458, 314, 4649]
+
+
+def sglang(fast: FastApp, **body: Any) -> dict[str, Any]:
+    response = fast.client.post("/generate", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_meta_info_and_logprobs(fast_rl: FastApp) -> None:
+    ids = fast_rl.tokenize(" Paris is the capital of France")[:5]
+    steps = [Step(t, logprob=-0.5 - i, top=((t, -0.5 - i), (77, -4.0))) for i, t in enumerate(ids)]
+    fast_rl.engine.script = lambda *_: Reply([*steps, EOS], num_cached_tokens=2)
+    sampling = {"max_new_tokens": 5, "min_new_tokens": 1, "temperature": 0, "sampling_seed": 9}
+    data = sglang(
+        fast_rl,
+        input_ids=PROMPT,
+        sampling_params=sampling,
+        return_logprob=True,
+        top_logprobs_num=2,
+        return_text_in_logprobs=True,
+        rid="sg-1",
+    )
+    assert data["output_ids"] == ids
+    assert data["text"] == " Paris is the capital of"
+    meta = data["meta_info"]
+    assert meta == {
+        "id": "sg-1",
+        "finish_reason": {"type": "length", "length": 5},
+        "prompt_tokens": len(PROMPT),
+        "completion_tokens": 5,
+        "cached_tokens": 2,
+        "weight_version": "default",
+        "weight_versions": [{"version": "default", "start": 0, "end": 5}],
+        "output_token_logprobs": meta["output_token_logprobs"],
+        "output_top_logprobs": [[[-0.5 - i, t, None], [-4.0, 77, None]] for i, t in enumerate(ids)],
+    }
+    assert [e[:2] for e in meta["output_token_logprobs"]] == [
+        [-0.5 - i, t] for i, t in enumerate(ids)
+    ]
+    assert "".join(e[2] for e in meta["output_token_logprobs"]) == data["text"]
+    (call,) = fast_rl.engine.calls
+    assert (call.sampling.max_tokens, call.sampling.min_tokens) == (5, 1)
+    assert (call.sampling.temperature, call.sampling.seed, call.sampling.logprobs) == (0, 9, 2)
+    # Without return_logprob: no logprob fields, and the engine is asked for none.
+    plain = sglang(fast_rl, input_ids=PROMPT, sampling_params={"max_new_tokens": 5})["meta_info"]
+    assert "output_token_logprobs" not in plain and "output_top_logprobs" not in plain
+    assert fast_rl.engine.calls[-1].sampling.logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("sampling", "finish_reason", "text"),
+    [
+        ({}, {"type": "stop", "matched": EOS}, " Paris is big. It is old."),
+        ({"stop_token_ids": [30]}, {"type": "stop", "matched": 30}, " Paris is big"),
+        ({"stop": ["big"]}, {"type": "stop", "matched": "big"}, " Paris is "),
+        (
+            {"stop": "big", "no_stop_trim": True},
+            {"type": "stop", "matched": "big"},
+            " Paris is big",
+        ),
+        ({"max_new_tokens": 2}, {"type": "length", "length": 2}, " Paris is"),
+    ],
+)
+def test_finish_reason_shapes(
+    fast_smollm2: FastApp, sampling: dict[str, Any], finish_reason: dict[str, Any], text: str
+) -> None:
+    ids = fast_smollm2.tokenize(" Paris is big. It is old.")
+    assert 30 in ids  # "."
+    fast_smollm2.engine.script = lambda *_: [*ids, EOS]
+    data = sglang(fast_smollm2, input_ids=PROMPT, sampling_params=sampling)
+    assert data["meta_info"]["finish_reason"] == finish_reason
+    assert data["text"] == text
+
+
+def test_text_in_and_cumulative_streaming(fast_smollm2: FastApp) -> None:
+    prompt = "The capital of France is"
+    ids = fast_smollm2.tokenize(" Paris. It is big.")
+    fast_smollm2.engine.script = lambda *_: [*ids, EOS]
+    body = {"text": prompt, "sampling_params": {"stop": ["big"]}}
+    whole = sglang(fast_smollm2, **body)
+    assert fast_smollm2.engine.calls[0].prompt_token_ids == fast_smollm2.tokenize(prompt)
+    assert whole["text"] == " Paris. It is "
+    chunks = sse_chunks(fast_smollm2.client, "/generate", {**body, "stream": True})
+    assert len(chunks) == len(whole["output_ids"])  # one per token the engine sent
+    assert chunks[-1] == {**whole, "meta_info": chunks[-1]["meta_info"]}
+    assert chunks[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
+    for before, after in itertools.pairwise(chunks):
+        assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+        assert after["text"].startswith(before["text"])
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"sampling_params": {}},
+        {"text": "a", "input_ids": [1]},
+        {"text": ["a", 1]},
+        {"input_ids": [[1], 2]},
+        {"input_ids": [[1], [-1]]},
+        {"input_ids": [-1]},
+        {"input_ids": [10**9]},
+        {"text": ["a", "b"], "rid": ["only-one"]},
+        {"text": "a", "sampling_params": {"n": 1000}},
+        {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2},
+    ],
+)
+def test_sglang_generate_bad_input(fast_rl: FastApp, body: dict) -> None:
+    assert fast_rl.client.post("/generate", json=body).status_code == 400
+    assert fast_rl.engine.calls == []
+    assert fast_rl.abort_all() == 0
+
+
+def test_top_logprobs_list_the_sampled_token_first(fast_smollm2: FastApp) -> None:
+    """vLLM's rule on every route: the sampled token, then the most likely others, k in all."""
+    top = ((11, -0.1), (12, -1.0), (13, -2.0), (14, -2.5), (15, -3.0))
+    fast_smollm2.engine.script = lambda *_: [Step(15, logprob=-3.0, rank=5, top=top), EOS]
+    body = {"input_ids": PROMPT, "return_logprob": True, "top_logprobs_num": 2}
+    meta = sglang(fast_smollm2, **body)["meta_info"]
+    assert meta["output_top_logprobs"][0] == [[-3.0, 15, None], [-0.1, 11, None]]
