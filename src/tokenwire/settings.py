@@ -43,6 +43,7 @@ class Settings:
     log_level: str = "info"
     max_num_seqs: int = 64
     max_n: int = 16
+    max_logprobs: int = 20
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
@@ -187,6 +188,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-num-seqs", type=int, default=env_or("max_num_seqs", d.max_num_seqs))
     add("--max-n", type=int, default=env_or("max_n", d.max_n), help="largest n per request")
     add(
+        "--max-logprobs",
+        type=int,
+        default=env_or("max_logprobs", d.max_logprobs),
+        help="most logprobs, top_logprobs or prompt_logprobs a request may ask (-1: vocabulary)",
+    )
+    add(
         "--prefix-cache-bytes",
         type=int,
         default=env_or("prefix_cache_bytes", d.prefix_cache_bytes),
@@ -266,6 +273,7 @@ def settings_from_args(args: argparse.Namespace, engine_args: Sequence[str] = ()
         "max_request_bytes",
         "max_num_seqs",
         "max_n",
+        "max_logprobs",
         "prefix_cache_bytes",
         "max_media_bytes",
         "media_cache_bytes",
@@ -286,6 +294,8 @@ def settings_from_args(args: argparse.Namespace, engine_args: Sequence[str] = ()
         values[name] = float(values[name])
     if values.get("prefix_cache_bytes", 0) < 0:
         raise ValueError("--prefix-cache-bytes must be >= 0 (0 turns the prefix cache off)")
+    if values.get("max_logprobs", 0) < -1:
+        raise ValueError("--max-logprobs must be >= -1 (-1: the vocabulary size)")
     for name in ("chat_template", "allowed_local_media_path"):
         if values.get(name) is not None:
             values[name] = Path(values[name])

@@ -30,6 +30,8 @@ class ServingConfig:
     enable_auto_tool_choice: bool
     trust_request_chat_template: bool
     max_n: int
+    # --max-logprobs as given: -1 means the vocabulary size (see pipeline.logprob_limit).
+    max_logprobs: int
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ServingConfig:
@@ -47,6 +49,7 @@ class ServingConfig:
             enable_auto_tool_choice=settings.enable_auto_tool_choice,
             trust_request_chat_template=settings.trust_request_chat_template,
             max_n=settings.max_n,
+            max_logprobs=settings.max_logprobs,
         )
 
     @property

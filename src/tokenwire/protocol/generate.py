@@ -22,7 +22,7 @@ from tokenwire.protocol.common import (
 )
 
 CONTENT_PARTS_AND_FEATURES = "content_parts and features are mutually exclusive"
-MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs; the flag is checked in the pipeline
 
 # vLLM SamplingParams fields that tokenwire accepts and ignores: they change no token ids.
 NO_EFFECT_FIELDS = frozenset(
@@ -113,13 +113,6 @@ class SamplingParamsModel(StrictRequestModel):
                 raise ValueError(f"{name} is not supported by tokenwire")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are not supported when detokenize is False")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and value > MAX_LOGPROBS:
-                raise ValueError(
-                    f"Requested {name} of {value}, which is greater than max allowed: "
-                    f"{MAX_LOGPROBS}"
-                )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must be less than or equal to max_tokens")
         return self
@@ -132,7 +125,8 @@ class SamplingParamsModel(StrictRequestModel):
 
     @property
     def num_logprobs(self) -> int | None:
-        """-1 means the whole vocabulary in vLLM; tokenwire caps it at MAX_LOGPROBS."""
+        """-1 means the whole vocabulary in vLLM; the routes turn it into --max-logprobs
+        before a job starts (``pipeline.logprob_limit``), MAX_LOGPROBS is the fallback."""
         if self.logprobs is None:
             return None
         return MAX_LOGPROBS if self.logprobs < 0 else self.logprobs

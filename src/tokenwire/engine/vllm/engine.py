@@ -43,11 +43,17 @@ class VLLMEngine:
         max_num_seqs: int = 64,
         dtype: str | None = None,
         extra_args: Sequence[str] = (),
+        max_logprobs: int = 20,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.model_name = self.model_dir.name
         self.max_num_seqs = max_num_seqs
-        self._options = {"max_model_len": max_model_len, "dtype": dtype, "extra": extra_args}
+        self._options = {
+            "max_model_len": max_model_len,
+            "dtype": dtype,
+            "extra": extra_args,
+            "max_logprobs": max_logprobs,
+        }
         self.max_model_len = max_model_len or 0  # vLLM's value once started
         self.vocab_size = 0
         self.eos_token_ids: tuple[int, ...] = ()
@@ -74,6 +80,7 @@ class VLLMEngine:
                 max_num_seqs=self.max_num_seqs,
                 dtype=self._options["dtype"],
                 extra=self._options["extra"],
+                max_logprobs=self._options["max_logprobs"],
             )
             self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         except Exception as exc:

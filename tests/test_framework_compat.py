@@ -1,0 +1,120 @@
+"""What today's RL frameworks send, as their released clients send it: TRL's VLLMClient, AReaL's
+SGLang engine, skyrl-train's HTTP engines and an RL trace gateway (rllm-model-gateway).
+
+Each test posts the exact body the client builds (its source is named) and checks what the
+client then reads from the answer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import Server, assert_error
+
+MODEL = "smollm2-135m-instruct"
+PARIS = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def rl(rl_server: Server) -> Iterator[httpx.Client]:
+    """The RL server (``--max-logprobs -1``) as a fresh one is: running, not asleep."""
+    with rl_server.client() as client:
+        assert client.post("/resume").status_code == 200
+        yield client
+
+
+def ok(response: httpx.Response) -> dict:
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+# -- logprob counts: --max-logprobs and vLLM's lax `logprobs` ----------------------------------
+
+
+def test_gateway_logprobs_true_is_one_on_completions(smollm2: httpx.Client) -> None:
+    """rllm-model-gateway injects ``logprobs: true`` into every completion it forwards; vLLM's
+    pydantic reads it as 1 (and ``false`` as 0)."""
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4}
+    body |= {"temperature": 0, "return_token_ids": True}
+    as_true = ok(smollm2.post("/v1/completions", json={**body, "logprobs": True}))
+    as_one = ok(smollm2.post("/v1/completions", json={**body, "logprobs": 1}))
+    assert as_true["choices"][0]["logprobs"] == as_one["choices"][0]["logprobs"]
+    assert all(len(top) == 1 for top in as_true["choices"][0]["logprobs"]["top_logprobs"])
+    as_false = ok(smollm2.post("/v1/completions", json={**body, "logprobs": False}))
+    as_zero = ok(smollm2.post("/v1/completions", json={**body, "logprobs": 0}))
+    assert as_false["choices"][0]["logprobs"] == as_zero["choices"][0]["logprobs"]
+
+
+# TRL's VLLMClient.get_sequence_logprobs: teacher scoring asks for 100 prompt logprobs.
+TRL_SEQUENCE_LOGPROBS = {
+    "model": MODEL,
+    "prompt": [[504, 3575, 282, 4649, 314, 7042, 30]],
+    "max_tokens": 1,
+    "temperature": 1.0,
+    "prompt_logprobs": 100,
+}
+# TRL's VLLMClient.chat with logprobs=100.
+TRL_CHAT = {
+    "model": MODEL,
+    "n": 1,
+    "repetition_penalty": 1.0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "max_tokens": 2,
+    "logprobs": True,
+    "top_logprobs": 100,
+    "return_token_ids": True,
+    "return_tokens_as_token_ids": True,
+    "messages": PARIS,
+}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", TRL_CHAT, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": PARIS, "prompt_logprobs": 21}, "prompt_logprobs"),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "logprobs": 21}, "logprobs"),
+        ("/v1/completions", TRL_SEQUENCE_LOGPROBS, "prompt_logprobs"),
+        (
+            "/inference/v1/generate",
+            {"token_ids": [1, 2], "sampling_params": {"logprobs": 21}},
+            "sampling_params.logprobs",
+        ),
+        (
+            "/inference/v1/generate",
+            {"token_ids": [1, 2], "sampling_params": {"prompt_logprobs": 100}},
+            "sampling_params.prompt_logprobs",
+        ),
+        (
+            "/generate",
+            {"text": "Hi", "return_logprob": True, "top_logprobs_num": 21},
+            "top_logprobs_num",
+        ),
+    ],
+)
+def test_max_logprobs_error_names_the_field_and_the_limit(
+    smollm2: httpx.Client, path: str, body: dict, param: str
+) -> None:
+    error = assert_error(smollm2.post(path, json=body), 400, "max allowed: 20")
+    assert error["param"] == param
+    assert error["message"].startswith(f"{param}: ") and "--max-logprobs" in error["message"]
+
+
+def test_minus_one_asks_for_the_limit(smollm2: httpx.Client, rl: httpx.Client) -> None:
+    """vLLM's ``-1`` (the whole vocabulary) is --max-logprobs' count; with -1 there, all ids."""
+    body = {"token_ids": [1, 2], "sampling_params": {"max_tokens": 1, "logprobs": -1}}
+    capped = ok(smollm2.post("/inference/v1/generate", json=body))["choices"][0]["logprobs"]
+    assert len(capped["content"][0]["top_logprobs"]) == 20
+    whole = ok(rl.post("/inference/v1/generate", json=body))["choices"][0]["logprobs"]
+    assert len(whole["content"][0]["top_logprobs"]) == 49152  # SmolLM2's vocabulary
+
+
+def test_max_logprobs_minus_one_allows_trl_counts(rl: httpx.Client) -> None:
+    chat = ok(rl.post("/v1/chat/completions", json=TRL_CHAT))
+    assert all(len(e["top_logprobs"]) == 100 for e in chat["choices"][0]["logprobs"]["content"])
+    assert ok(rl.post("/v1/completions", json=TRL_SEQUENCE_LOGPROBS))["choices"]
