@@ -118,3 +118,25 @@ def test_max_logprobs_minus_one_allows_trl_counts(rl: httpx.Client) -> None:
     chat = ok(rl.post("/v1/chat/completions", json=TRL_CHAT))
     assert all(len(e["top_logprobs"]) == 100 for e in chat["choices"][0]["logprobs"]["content"])
     assert ok(rl.post("/v1/completions", json=TRL_SEQUENCE_LOGPROBS))["choices"]
+
+
+# -- vLLM 0.33's generate fields ---------------------------------------------------------------
+
+
+def test_trl_generate_from_features_body(smollm2: httpx.Client) -> None:
+    """TRL's VLLMClient._generate_from_features: ``output_kind: 2`` (FINAL_ONLY) so that a
+    non-streamed n > 1 answer holds every choice; ``features`` is null for a text prompt."""
+    sampling = {"n": 2, "repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0}
+    sampling |= {"top_k": 0, "min_p": 0.0, "max_tokens": 4, "logprobs": 0, "seed": 11}
+    body = {
+        "request_id": "trl-0123456789abcdef",
+        "model": MODEL,
+        "token_ids": [504, 3575, 282, 4649],
+        "features": None,
+        "sampling_params": {**sampling, "output_kind": 2},
+    }
+    choices = ok(smollm2.post("/inference/v1/generate", json=body))["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    plain = {**body, "sampling_params": sampling}
+    expected = ok(smollm2.post("/inference/v1/generate", json=plain))["choices"]
+    assert [c["token_ids"] for c in choices] == [c["token_ids"] for c in expected]

@@ -347,6 +347,8 @@ def test_request_id_header_wins(smollm2: httpx.Client, paris_ids: list[int]) -> 
         ({"token_ids": [1], "sampling_params": {"logprobs": 21}}, "max allowed: 20"),
         ({"token_ids": [1], "sampling_params": {"prompt_logprobs": 50}}, "max allowed: 20"),
         ({"token_ids": [1], "sampling_params": {"logit_bias": {"1": 5}}}, "logit_bias"),
+        ({"token_ids": [1], "sampling_params": {"output_kind": 3}}, "output_kind"),
+        ({"token_ids": [1], "sampling_params": {"output_kind": "FINAL_ONLY"}}, "output_kind"),
         ({"token_ids": [1]}, "sampling_params"),
         ({"token_ids": [1], "sampling_params": {}, "model": "nope"}, "does not exist"),
         (

@@ -30,7 +30,7 @@ NO_EFFECT_FIELDS = frozenset(
         "skip_special_tokens",  # text only (derender, OpenAI routes); generate returns ids
         "spaces_between_special_tokens",  # text only
         "include_stop_str_in_output",  # text only; the stop token is always in token_ids
-        "output_kind",  # tokenwire always streams deltas and returns the final result
+        "output_kind",  # streams are always deltas, a whole answer always every choice's output
         "flat_logprobs",  # a vLLM-internal container choice
         "routed_experts_prompt_start",  # MoE routing capture; the hf engine has no experts
         "return_routed_experts",
@@ -82,7 +82,8 @@ class SamplingParamsModel(StrictRequestModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    output_kind: Int64 | str | None = None
+    # vLLM's RequestOutputKind: 0 CUMULATIVE, 1 DELTA, 2 FINAL_ONLY (TRL sends 2).
+    output_kind: Int64 | None = Field(default=None, ge=0, le=2)
     flat_logprobs: bool = False
     routed_experts_prompt_start: Int64 | None = None
     return_routed_experts: bool | None = None
