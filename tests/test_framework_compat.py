@@ -140,3 +140,21 @@ def test_trl_generate_from_features_body(smollm2: httpx.Client) -> None:
     plain = {**body, "sampling_params": sampling}
     expected = ok(smollm2.post("/inference/v1/generate", json=plain))["choices"]
     assert [c["token_ids"] for c in choices] == [c["token_ids"] for c in expected]
+
+
+# -- /update_weights: prime-rl's checkpoint directory or vLLM's weight-transfer step -----------
+
+
+def test_vllm_update_weights_body_says_what_is_missing(rl: httpx.Client) -> None:
+    """TRL's VLLMClient.update_named_params posts vLLM's form; the weight-transfer engine it
+    needs is not set up here, and the answer says so (not "weight_dir: Field required")."""
+    update_info = {"names": ["lm_head.weight"], "dtype_names": ["float32"], "shapes": [[8, 4]]}
+    response = rl.post("/update_weights", json={"update_info": {**update_info, "packed": True}})
+    error = assert_error(response, 400, "weight-transfer engine is not initialised")
+    assert error["param"] == "update_info" and '"weight_dir"' in error["message"]
+    # skyrl-train's remote vLLM engine: one named tensor per call, neither form.
+    skyrl = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[8, 4]]}
+    error = assert_error(rl.post("/update_weights", json=skyrl), 400, '"update_info"')
+    assert error["param"] == "weight_dir" and '"weight_dir"' in error["message"]
+    both = {"weight_dir": "/tmp", "update_info": update_info}
+    assert assert_error(rl.post("/update_weights", json=both), 400)["param"] == "update_info"

@@ -96,6 +96,38 @@ async def load_weights(
     return version
 
 
+async def update_weights(
+    pipeline: Pipeline,
+    weight_dir: str | None,
+    version: str | None,
+    update_info: dict[str, Any] | None,
+) -> str:
+    """``/update_weights``: prime-rl's form loads ``weight_dir``; vLLM's (``update_info``) needs
+    the weight-transfer engine, which is not initialised here yet. Return the new version."""
+    if weight_dir is not None and update_info is not None:
+        raise InvalidRequest(
+            "update_info: send weight_dir (prime-rl's form) or update_info (vLLM's), not both",
+            "update_info",
+        )
+    if update_info is not None:
+        raise InvalidRequest(
+            "update_info: the weight-transfer engine is not initialised (vLLM's form of "
+            "/update_weights receives tensors over the group that POST "
+            "/init_weight_transfer_engine sets up, which this server does not serve yet); to "
+            'load a checkpoint directory send prime-rl\'s {"weight_dir": ..., '
+            '"weight_version": ...}',
+            "update_info",
+        )
+    if weight_dir is None:
+        raise InvalidRequest(
+            'weight_dir: Field required: /update_weights takes prime-rl\'s {"weight_dir": ..., '
+            '"weight_version"?} (a checkpoint directory) or vLLM\'s {"update_info": ...} '
+            "(after POST /init_weight_transfer_engine)",
+            "weight_dir",
+        )
+    return await load_weights(pipeline, weight_dir, version)
+
+
 async def set_weight_version(
     pipeline: Pipeline, version: str, *, abort_all_requests: bool = False
 ) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -34,10 +34,13 @@ class UpdateWeightVersionBody(RequestModel):
 
 
 class UpdateWeightsBody(RequestModel):
-    """prime-rl's ``/update_weights``: a checkpoint directory of the same architecture."""
+    """``/update_weights`` in either client's form: prime-rl's checkpoint directory of the same
+    architecture (``weight_dir``), or vLLM's weight-transfer step (``update_info``, tensors
+    from the trainer's group); ``pipeline.control.update_weights`` tells them apart."""
 
-    weight_dir: str = Field(min_length=1)
+    weight_dir: str | None = Field(default=None, min_length=1)
     weight_version: str | None = Field(default=None, min_length=1, max_length=256)
+    update_info: dict[str, Any] | None = None
 
 
 class UpdateWeightsFromDiskBody(RequestModel):

@@ -89,7 +89,9 @@ async def weight_info(request: Request) -> Response:
 
 @router.post("/update_weights", response_model=UpdateWeightsResponse)
 async def update_weights(body: UpdateWeightsBody, request: Request) -> Response:
-    version = await control.load_weights(pipeline_of(request), body.weight_dir, body.weight_version)
+    version = await control.update_weights(
+        pipeline_of(request), body.weight_dir, body.weight_version, body.update_info
+    )
     return OrjsonResponse({"success": True, "weight_version": version})
 
 
