@@ -158,3 +158,81 @@ def test_vllm_update_weights_body_says_what_is_missing(rl: httpx.Client) -> None
     assert error["param"] == "weight_dir" and '"weight_dir"' in error["message"]
     both = {"weight_dir": "/tmp", "update_info": update_info}
     assert assert_error(rl.post("/update_weights", json=both), 400)["param"] == "update_info"
+
+
+# -- sleep and wake-up: vLLM's query, skyrl-train's bodies, SGLang's memory routes -------------
+
+
+def generate_status(client: httpx.Client) -> int:
+    body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}
+    return client.post("/inference/v1/generate", json=body).status_code
+
+
+def test_skyrl_sleep_and_wake_up_bodies(rl: httpx.Client) -> None:
+    """skyrl-train's RemoteInferenceEngine sends ``level`` / ``tags`` in the JSON body (``tags:
+    1`` when its caller names none) and parses the JSON answer. A wake-up that names some tags
+    leaves the server asleep until the rest are woken, as vLLM's engine."""
+    assert ok(rl.post("/sleep", json={"level": 2})) == {"status": "ok"}
+    assert ok(rl.get("/is_sleeping")) == {"is_sleeping": True}
+    assert generate_status(rl) == 503
+    assert ok(rl.post("/wake_up", json={"tags": ["weights"]})) == {"status": "ok"}
+    assert ok(rl.get("/is_sleeping")) == {"is_sleeping": True}
+    ok(rl.post("/wake_up", json={"tags": ["kv_cache"]}))
+    assert ok(rl.get("/is_sleeping")) == {"is_sleeping": False}
+    assert generate_status(rl) == 200
+    ok(rl.post("/sleep", json={"level": 1}))
+    assert ok(rl.post("/wake_up", json={"tags": 1})) == {"status": "ok"}
+    assert ok(rl.get("/is_sleeping")) == {"is_sleeping": False}
+    # vLLM's query form; the body's value wins over the query's.
+    ok(rl.post("/sleep", params={"level": 1, "mode": "wait"}))
+    ok(rl.post("/wake_up", params={"tags": ["weights", "kv_cache"]}))
+    assert ok(rl.get("/is_sleeping")) == {"is_sleeping": False}
+    refused = rl.post("/sleep", params={"level": 1}, json={"level": 3})
+    assert assert_error(refused, 400, "level")["param"] == "level"
+    assert assert_error(rl.post("/wake_up", json={"tags": ["wieghts"]}), 400)["param"] == "tags"
+    assert ok(rl.get("/is_sleeping")) == {"is_sleeping": False}
+
+
+def test_sglang_memory_occupation_routes(rl: httpx.Client) -> None:
+    """SGLang's sleep (AReaL, verl): both routes answer JSON null, GET or POST, body optional."""
+    released = rl.post("/release_memory_occupation", json={})
+    assert released.status_code == 200 and released.json() is None
+    assert ok(rl.get("/is_sleeping")) == {"is_sleeping": True}
+    assert generate_status(rl) == 503
+    # verl's colocated order: weights first (then the new weights), then the KV cache.
+    assert rl.post("/resume_memory_occupation", json={"tags": ["weights"]}).json() is None
+    assert ok(rl.get("/is_sleeping")) == {"is_sleeping": True}
+    resumed = rl.get("/resume_memory_occupation")
+    assert resumed.status_code == 200 and resumed.json() is None
+    assert ok(rl.get("/is_sleeping")) == {"is_sleeping": False}
+    assert generate_status(rl) == 200
+    partial = rl.post("/release_memory_occupation", json={"tags": ["kv_cache"]})
+    assert partial.status_code == 200 and generate_status(rl) == 503
+    ok(rl.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}))
+    assert generate_status(rl) == 200
+
+
+def test_sglang_flush_cache(rl: httpx.Client) -> None:
+    """skyrl-train's SGLang backend resets the prefix cache with ``POST /flush_cache`` and
+    reads SGLang's text."""
+    for method in ("GET", "POST"):
+        response = rl.request(method, "/flush_cache")
+        assert response.status_code == 200, response.text
+        assert response.text.startswith("Cache flushed.\n")
+    refused = rl.post("/flush_cache", params={"timeout": -1})
+    assert assert_error(refused, 400, "timeout")["param"] == "timeout"
+
+
+@pytest.mark.hf_only  # vLLM's blocks are 128 tokens on CPU
+def test_flush_cache_empties_the_prefix_cache(rl: httpx.Client) -> None:
+    prompt = [(11 * i) % 30000 + 700 for i in range(100)]
+    body = {"token_ids": prompt, "sampling_params": {"max_tokens": 1}}
+
+    def cached() -> int:
+        usage = ok(rl.post("/inference/v1/generate", json=body))["usage"]
+        return usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+    cached()
+    assert cached() == 96
+    assert rl.post("/flush_cache").status_code == 200
+    assert cached() == 0

@@ -82,8 +82,14 @@ class ControlState:
     """What the RL control routes set (see ``pipeline.control``); every new request reads it."""
 
     pause_mode: PauseMode | None = None
-    sleeping: bool = False
+    # Memory tags put to sleep (/sleep, /release_memory_occupation) and not woken yet; new
+    # requests are refused while any is left, as vLLM's engine sleeps until all are woken.
+    asleep: frozenset[str] = frozenset()
     reloads: int = 0  # numbers the versions of reloads that name none
+
+    @property
+    def sleeping(self) -> bool:
+        return bool(self.asleep)
 
 
 @dataclass(slots=True)

@@ -5,11 +5,15 @@ token carries the version that sampled it. Pause modes are vLLM's: ``abort`` end
 flight now (with their partial tokens), ``wait`` lets them finish, ``keep`` freezes them until
 resume (``clear_cache``: they recompute their KV with the weights loaded by then). While paused
 by ``abort`` or ``wait`` (or asleep), new requests get a 503 until resume, as in vLLM 0.33;
-under ``keep`` they queue.
+under ``keep`` they queue. Sleep puts memory tags to sleep (vLLM's ``weights`` and
+``kv_cache``, SGLang's also ``cuda_graph``); the server sleeps until every one is woken.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,11 @@ from tokenwire.pipeline.context import Pipeline
 from tokenwire.pipeline.errors import InvalidRequest, NotReady
 
 PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
+# The memory vLLM's /sleep releases, and SGLang's /release_memory_occupation by default; a
+# wake-up (or resume) may name some of them.
+VLLM_MEMORY_TAGS = ("weights", "kv_cache")
+SGLANG_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+_FLUSH_RETRY_S = 0.05  # between two tries of a flush that waits for the engine
 
 
 def admit(pipeline: Pipeline) -> None:
@@ -46,20 +55,62 @@ async def pause(pipeline: Pipeline, mode: str, *, clear_cache: bool = False) -> 
 async def resume(pipeline: Pipeline) -> None:
     await pipeline.ready().engine.resume()
     pipeline.control.pause_mode = None
-    pipeline.control.sleeping = False
+    pipeline.control.asleep = frozenset()
 
 
 def is_paused(pipeline: Pipeline) -> bool:
     return pipeline.control.pause_mode is not None
 
 
-async def sleep(pipeline: Pipeline, level: int) -> None:
-    """vLLM's sleep: requests in flight end now and new ones are refused until wake-up. The hf
-    engine keeps its weights in memory at every level (there is no device memory to free)."""
+async def sleep(
+    pipeline: Pipeline,
+    level: int,
+    *,
+    mode: str = "abort",
+    tags: Collection[str] = VLLM_MEMORY_TAGS,
+) -> None:
+    """vLLM's sleep: requests in flight are paused by ``mode`` (vLLM's default: they end now)
+    and new ones are refused until every one of ``tags`` is woken. The hf engine keeps its
+    weights in memory at every level (there is no device memory to free)."""
     if level not in (1, 2):
         raise InvalidRequest(f"level must be 1 or 2, got {level}", "level")
-    await pause(pipeline, "abort")
-    pipeline.control.sleeping = True
+    _check_tags(tags)
+    await pause(pipeline, mode)
+    pipeline.control.asleep |= frozenset(tags)
+
+
+async def wake_up(pipeline: Pipeline, tags: Collection[str] | None = None) -> bool:
+    """Wake ``tags`` (None: all); once none sleeps, resume. Return whether awake."""
+    state = pipeline.control
+    if tags is None:
+        state.asleep = frozenset()
+    else:
+        _check_tags(tags)
+        state.asleep -= frozenset(tags)
+    if not state.asleep:
+        await resume(pipeline)
+    return not state.asleep
+
+
+def _check_tags(tags: Collection[str]) -> None:
+    unknown = sorted(set(tags) - set(SGLANG_MEMORY_TAGS))
+    if unknown:
+        raise InvalidRequest(
+            f"tags: unknown memory tags {unknown}; known: {', '.join(SGLANG_MEMORY_TAGS)}",
+            "tags",
+        )
+
+
+async def flush_cache(pipeline: Pipeline, timeout_s: float = 0.0) -> bool:
+    """SGLang's flush: reset the prefix cache, retrying for up to ``timeout_s`` while an engine
+    refuses (vLLM's does while running requests hold cached blocks)."""
+    engine = pipeline.ready().engine
+    deadline = time.monotonic() + timeout_s
+    while not await engine.reset_prefix_cache():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(_FLUSH_RETRY_S)
+    return True
 
 
 async def abort_requests(pipeline: Pipeline, request_ids: list[str] | None = None) -> int:

@@ -6,17 +6,23 @@ could otherwise stop the server or load weights from its disk.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
-from starlette.responses import Response
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from starlette.responses import PlainTextResponse, Response
 
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import pipeline_of
 from tokenwire.pipeline import control
+from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.protocol.control import (
+    MemoryOccupationBody,
     PauseGenerationBody,
+    SleepBody,
     UpdateWeightsBody,
     UpdateWeightsFromDiskBody,
     UpdateWeightVersionBody,
+    WakeUpBody,
 )
 from tokenwire.protocol.responses import (
     IsPausedResponse,
@@ -33,6 +39,17 @@ from tokenwire.protocol.responses import (
 
 router = APIRouter(tags=["rl-control"])
 
+# SGLang's answers: JSON null (memory routes) and a text (flush; clients match its start).
+_SGLANG_NULL: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "JSON null, as SGLang answers",
+        "content": {"application/json": {"schema": {"type": "null"}}},
+    }
+}
+_SGLANG_FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+    "waiting requests, the operation will not be performed.)\n"
+)
 # SGLang's pause modes in vLLM's terms: (mode, drop the kept requests' KV).
 _SGLANG_PAUSE = {"abort": ("abort", False), "retract": ("keep", True), "in_place": ("keep", False)}
 
@@ -54,16 +71,29 @@ async def is_paused(request: Request) -> Response:
     return OrjsonResponse({"is_paused": control.is_paused(pipeline_of(request))})
 
 
-@router.post("/sleep", response_class=Response)
-async def sleep(request: Request, level: int = 1) -> Response:
-    await control.sleep(pipeline_of(request), level)
-    return Response(status_code=200)
+@router.post("/sleep", response_model=StatusResponse)
+async def sleep(
+    request: Request, body: SleepBody | None = None, level: int = 1, mode: str = "abort"
+) -> Response:
+    """vLLM's sleep (level and mode in the query); skyrl-train's body and ``{"status": "ok"}``."""
+    if body is not None:
+        level = level if body.level is None else body.level
+        mode = mode if body.mode is None else body.mode
+    await control.sleep(pipeline_of(request), level, mode=mode)
+    return OrjsonResponse({"status": "ok"})
 
 
-@router.post("/wake_up", response_class=Response)
-async def wake_up(request: Request, tags: str | None = None) -> Response:
-    await control.resume(pipeline_of(request))
-    return Response(status_code=200)
+@router.post("/wake_up", response_model=StatusResponse)
+async def wake_up(
+    request: Request,
+    body: WakeUpBody | None = None,
+    tags: Annotated[list[str] | None, Query()] = None,
+) -> Response:
+    """vLLM's wake-up (``tags`` repeated in the query); skyrl-train's body and answer."""
+    if body is not None and body.tags is not None:
+        tags = body.tags
+    await control.wake_up(pipeline_of(request), tags)
+    return OrjsonResponse({"status": "ok"})
 
 
 @router.get("/is_sleeping", response_model=IsSleepingResponse)
@@ -124,6 +154,35 @@ async def pause_generation(body: PauseGenerationBody, request: Request) -> Respo
 async def continue_generation(request: Request) -> Response:
     await control.resume(pipeline_of(request))
     return OrjsonResponse({"message": "Generation continued.", "status": "ok"})
+
+
+@router.api_route("/release_memory_occupation", methods=["GET", "POST"], responses=_SGLANG_NULL)
+async def release_memory_occupation(
+    request: Request, body: MemoryOccupationBody | None = None
+) -> Response:
+    """SGLang's sleep: the ``tags`` (default: all of SGLang's) sleep until resumed."""
+    tags = control.SGLANG_MEMORY_TAGS if body is None or body.tags is None else body.tags
+    await control.sleep(pipeline_of(request), 1, tags=tags)
+    return OrjsonResponse(None)
+
+
+@router.api_route("/resume_memory_occupation", methods=["GET", "POST"], responses=_SGLANG_NULL)
+async def resume_memory_occupation(
+    request: Request, body: MemoryOccupationBody | None = None
+) -> Response:
+    await control.wake_up(pipeline_of(request), None if body is None else body.tags)
+    return OrjsonResponse(None)
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"], response_class=PlainTextResponse)
+async def flush_cache(request: Request, timeout: Annotated[float, Query(ge=0.0)] = 0.0) -> Response:
+    """SGLang's name for resetting the prefix cache, answered with SGLang's text."""
+    if not await control.flush_cache(pipeline_of(request), timeout):
+        # SGLang answers a refused flush with a 400 too.
+        raise InvalidRequest(
+            "Flush cache failed: running requests hold cached blocks; retry when idle"
+        )
+    return PlainTextResponse(_SGLANG_FLUSHED)
 
 
 @router.post("/reset_prefix_cache", response_model=SuccessResponse)
