@@ -202,8 +202,9 @@ def qwen3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 @pytest.fixture(scope="session")
 def rl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """SmolLM2 with the RL control routes, for tests that pause it and swap its weights; any
-    logprob count is allowed (``--max-logprobs -1``, as TRL's docs start vLLM)."""
-    args = ["--enable-rl-control", "--max-logprobs", "-1"]
+    logprob count is allowed (``--max-logprobs -1``, as TRL's docs start vLLM), and SGLang's
+    pause holds at most two requests."""
+    args = ["--enable-rl-control", "--max-logprobs", "-1", "--max-held-requests", "2"]
     yield from _start(tmp_path_factory, "rl", args, api_key=API_KEY)
 
 

@@ -6,6 +6,8 @@ client then reads from the answer."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -236,3 +238,96 @@ def test_flush_cache_empties_the_prefix_cache(rl: httpx.Client) -> None:
     assert cached() == 96
     assert rl.post("/flush_cache").status_code == 200
     assert cached() == 0
+
+
+# -- SGLang's pause holds new requests (AReaL) -------------------------------------------------
+
+
+def areal_generate_body(input_ids: list[int]) -> dict:
+    """AReaL's RemoteSGLangEngine.agenerate body (greedy)."""
+    sampling = {"top_p": 1.0, "top_k": 100000000, "max_new_tokens": 8, "temperature": 0.0}
+    sampling |= {"stop_token_ids": [], "frequency_penalty": 0.0}
+    return {
+        "input_ids": input_ids,
+        "image_data": None,
+        "sampling_params": sampling,
+        "return_logprob": True,
+        "stream": False,
+    }
+
+
+class Sent:
+    """One request posted on a thread: its response (or the exception) once it answered."""
+
+    def __init__(self, server: Server, path: str, body: dict, timeout: float = 120) -> None:
+        self.response: httpx.Response | None = None
+        self.error: Exception | None = None
+        self.done = threading.Event()
+        args = (server, path, body, timeout)
+        threading.Thread(target=self._run, args=args, daemon=True).start()
+
+    def _run(self, server: Server, path: str, body: dict, timeout: float) -> None:
+        try:
+            with server.client() as client:
+                self.response = client.post(path, json=body, timeout=timeout)
+        except Exception as exc:
+            self.error = exc
+        self.done.set()
+
+    def result(self) -> httpx.Response:
+        assert self.done.wait(120), "no answer"
+        assert self.response is not None, self.error
+        return self.response
+
+
+def test_areal_request_during_pause_generation_completes_after_continue(
+    rl_server: Server, rl: httpx.Client
+) -> None:
+    """AReaL pauses with a bodiless POST /pause_generation while its rollout workers keep
+    sending /generate; SGLang holds those until /continue_generation (a 503 three times makes
+    AReaL give up). The held request then gives the ids it gives unpaused."""
+    body = areal_generate_body([504, 3575, 282, 4649, 314])
+    reference = ok(rl.post("/generate", json=body))
+    seeded = {**body, "sampling_params": {**body["sampling_params"], "temperature": 1.0}}
+    seeded["sampling_params"]["sampling_seed"] = 5
+    seeded_reference = ok(rl.post("/generate", json=seeded))
+    assert ok(rl.post("/pause_generation"))["status"] == "ok"
+    held = [Sent(rl_server, "/generate", body), Sent(rl_server, "/generate", seeded)]
+    time.sleep(0.5)
+    assert not any(sent.done.is_set() for sent in held)
+    assert ok(rl.get("/is_paused")) == {"is_paused": True}
+    assert ok(rl.post("/continue_generation"))["status"] == "ok"
+    assert ok(held[0].result())["output_ids"] == reference["output_ids"]
+    assert ok(held[1].result())["output_ids"] == seeded_reference["output_ids"]
+    # vLLM's pause keeps answering 503 to new requests.
+    ok(rl.post("/pause", params={"mode": "abort"}))
+    assert rl.post("/generate", json=body).status_code == 503
+    ok(rl.post("/resume"))
+
+
+def test_pause_generation_holds_a_bounded_queue_until_clients_leave(
+    rl_server: Server, rl: httpx.Client
+) -> None:
+    """At most --max-held-requests (2 here) wait; a client that gives up frees its place."""
+    body = areal_generate_body([1, 2, 3])
+    ok(rl.post("/pause_generation", json={"mode": "abort"}))
+    try:
+        gone = Sent(rl_server, "/generate", body, timeout=0.5)
+        assert gone.done.wait(10) and isinstance(gone.error, httpx.TimeoutException)
+        time.sleep(0.3)  # the server notices the disconnect within 50 ms
+        sent = [Sent(rl_server, "/inference/v1/generate", GENERATE) for _ in range(3)]
+        deadline = time.monotonic() + 10
+        while not any(s.done.is_set() for s in sent):
+            assert time.monotonic() < deadline, "the third request was held too"
+            time.sleep(0.05)
+        refused = next(s for s in sent if s.done.is_set()).result()
+        assert_error(refused, 503, "--max-held-requests")
+    finally:
+        ok(rl.post("/continue_generation", json={}))
+    answered = [s.result() for s in sent if s.response is not refused]
+    assert [r.status_code for r in answered] == [200, 200]
+    # The request whose client left never started.
+    assert ok(rl.get("/get_load")) == {"load": 0}
+
+
+GENERATE = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}

@@ -59,6 +59,7 @@ class Settings:
     max_image_pixels_per_request: int = 48 * 2**20
     device: str | None = None
     enable_rl_control: bool = False
+    max_held_requests: int = 1024
     engine: EngineKind = "hf"
     dtype: str = "auto"
     # vLLM engine flags tokenwire does not know, passed through as given (``--engine vllm``).
@@ -240,6 +241,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve pause/resume, weight reload and weight version routes",
     )
     add(
+        "--max-held-requests",
+        type=int,
+        default=env_or("max_held_requests", d.max_held_requests),
+        help="requests that may wait out SGLang's /pause_generation at once; more get a 503",
+    )
+    add(
         "--engine",
         default=env_or("engine", d.engine),
         choices=ENGINE_KINDS,
@@ -274,6 +281,7 @@ def settings_from_args(args: argparse.Namespace, engine_args: Sequence[str] = ()
         "max_num_seqs",
         "max_n",
         "max_logprobs",
+        "max_held_requests",
         "prefix_cache_bytes",
         "max_media_bytes",
         "media_cache_bytes",
@@ -296,6 +304,8 @@ def settings_from_args(args: argparse.Namespace, engine_args: Sequence[str] = ()
         raise ValueError("--prefix-cache-bytes must be >= 0 (0 turns the prefix cache off)")
     if values.get("max_logprobs", 0) < -1:
         raise ValueError("--max-logprobs must be >= -1 (-1: the vocabulary size)")
+    if values.get("max_held_requests", 0) < 0:
+        raise ValueError("--max-held-requests must be >= 0")
     for name in ("chat_template", "allowed_local_media_path"):
         if values.get(name) is not None:
             values[name] = Path(values[name])

@@ -5,8 +5,10 @@ token carries the version that sampled it. Pause modes are vLLM's: ``abort`` end
 flight now (with their partial tokens), ``wait`` lets them finish, ``keep`` freezes them until
 resume (``clear_cache``: they recompute their KV with the weights loaded by then). While paused
 by ``abort`` or ``wait`` (or asleep), new requests get a 503 until resume, as in vLLM 0.33;
-under ``keep`` they queue. Sleep puts memory tags to sleep (vLLM's ``weights`` and
-``kv_cache``, SGLang's also ``cuda_graph``); the server sleeps until every one is woken.
+under ``keep`` they queue. SGLang's pause holds new requests until resume instead (a
+bounded number, each until its client leaves). Sleep puts memory tags to sleep (vLLM's
+``weights`` and ``kv_cache``, SGLang's also ``cuda_graph``); the server sleeps until every one
+is woken.
 """
 
 from __future__ import annotations
@@ -27,15 +29,45 @@ PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
 VLLM_MEMORY_TAGS = ("weights", "kv_cache")
 SGLANG_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 _FLUSH_RETRY_S = 0.05  # between two tries of a flush that waits for the engine
+# SGLang's pause modes in vLLM's terms: (mode, drop the kept requests' KV).
+SGLANG_PAUSE_MODES: dict[str, tuple[str, bool]] = {
+    "abort": ("abort", False),
+    "retract": ("keep", True),
+    "in_place": ("keep", False),
+}
 
 
 def admit(pipeline: Pipeline) -> None:
-    """Refuse a new request while asleep or paused by ``abort`` / ``wait``."""
+    """Refuse a new request while asleep or paused by vLLM's ``abort`` / ``wait``. Under
+    SGLang's pause one that got past ``wait_admitted`` queues in the paused engine."""
     state = pipeline.control
     if state.sleeping:
         raise NotReady("The engine is sleeping; wake it up first")
-    if state.pause_mode in ("abort", "wait"):
+    if state.pause_mode in ("abort", "wait") and not state.holding:
         raise NotReady("The engine is paused; new requests are refused until resume")
+
+
+async def wait_admitted(pipeline: Pipeline) -> None:
+    """Hold a new request while SGLang's /pause_generation lasts, as SGLang does (AReaL gives
+    up after three 503s); at most --max-held-requests at once, more get a 503. Cancel it when
+    the client leaves: nothing has started yet. ``admit`` then decides as for any request."""
+    state = pipeline.control
+    while state.holding:
+        if state.held >= pipeline.config.max_held_requests:
+            raise NotReady(
+                f"Generation is paused and {state.held} requests already wait for "
+                "/continue_generation (--max-held-requests)"
+            )
+        state.held += 1
+        try:
+            await state.continued.wait()
+        finally:
+            state.held -= 1
+
+
+def is_holding(pipeline: Pipeline) -> bool:
+    """Whether new requests wait in ``wait_admitted`` now."""
+    return pipeline.control.holding
 
 
 async def pause(pipeline: Pipeline, mode: str, *, clear_cache: bool = False) -> int:
@@ -52,10 +84,33 @@ async def pause(pipeline: Pipeline, mode: str, *, clear_cache: bool = False) -> 
         raise
 
 
+async def pause_generation(pipeline: Pipeline, mode: str) -> None:
+    """SGLang's pause: requests in flight by ``mode``, new ones held until resume."""
+    if mode not in SGLANG_PAUSE_MODES:
+        modes = ", ".join(SGLANG_PAUSE_MODES)
+        raise InvalidRequest(f"mode must be one of {modes}, got {mode!r}", "mode")
+    vllm_mode, clear_cache = SGLANG_PAUSE_MODES[mode]
+    state = pipeline.control
+    # Before the engine pauses: a request arriving meanwhile must wait, not get a 503.
+    holding, state.holding = state.holding, True
+    state.continued.clear()
+    try:
+        await pause(pipeline, vllm_mode, clear_cache=clear_cache)
+    except BaseException:
+        state.holding = holding
+        if not holding:
+            state.continued.set()
+        raise
+
+
 async def resume(pipeline: Pipeline) -> None:
     await pipeline.ready().engine.resume()
-    pipeline.control.pause_mode = None
-    pipeline.control.asleep = frozenset()
+    state = pipeline.control
+    state.pause_mode = None
+    state.asleep = frozenset()
+    # Last: a held request goes on to ``admit``, which must find the pause over.
+    state.holding = False
+    state.continued.set()
 
 
 def is_paused(pipeline: Pipeline) -> bool:

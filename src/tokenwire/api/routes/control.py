@@ -50,8 +50,6 @@ _SGLANG_FLUSHED = (
     "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
     "waiting requests, the operation will not be performed.)\n"
 )
-# SGLang's pause modes in vLLM's terms: (mode, drop the kept requests' KV).
-_SGLANG_PAUSE = {"abort": ("abort", False), "retract": ("keep", True), "in_place": ("keep", False)}
 
 
 @router.post("/pause", response_model=StatusResponse)
@@ -144,9 +142,10 @@ async def update_weights_from_disk(body: UpdateWeightsFromDiskBody, request: Req
 
 
 @router.post("/pause_generation", response_model=MessageStatusResponse)
-async def pause_generation(body: PauseGenerationBody, request: Request) -> Response:
-    mode, clear_cache = _SGLANG_PAUSE[body.mode]
-    await control.pause(pipeline_of(request), mode, clear_cache=clear_cache)
+async def pause_generation(request: Request, body: PauseGenerationBody | None = None) -> Response:
+    """SGLang's pause; new requests wait for /continue_generation. AReaL sends no body."""
+    mode = "abort" if body is None else body.mode
+    await control.pause_generation(pipeline_of(request), mode)
     return OrjsonResponse({"message": "Generation paused.", "status": "ok"})
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from tokenwire.api.admission import admitted
 from tokenwire.api.disconnect import unless_disconnected
 from tokenwire.api.openapi import MEDIA_ERRORS, streamed
 from tokenwire.api.responses import OrjsonResponse
@@ -30,6 +31,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     request_id = request.headers.get("x-request-id") or body.request_id
     pipeline = pipeline_of(request)
     apply_logprob_limit(pipeline, body)
+    await admitted(request, pipeline)
     run = await generation.start_generation(pipeline, body, request_id)
     headers = {"X-Request-Id": request_id}
     if body.stream:

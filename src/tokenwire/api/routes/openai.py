@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from tokenwire.api.admission import admitted
 from tokenwire.api.disconnect import unless_disconnected
 from tokenwire.api.openapi import MEDIA_ERRORS, streamed
 from tokenwire.api.responses import OrjsonResponse
@@ -30,6 +31,7 @@ router = APIRouter(tags=["openai"])
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     pipeline = pipeline_of(request)
     apply_logprob_limit(pipeline, body)
+    await admitted(request, pipeline)
     run = await start_chat_completion(pipeline, body)
     return await _respond(run, request, stream=body.stream)
 
@@ -40,6 +42,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 async def completions(body: CompletionRequest, request: Request) -> Response:
     pipeline = pipeline_of(request)
     apply_logprob_limit(pipeline, body)
+    await admitted(request, pipeline)
     run = await start_completion(pipeline, body)
     return await _respond(run, request, stream=body.stream)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from tokenwire.api.admission import admitted
 from tokenwire.api.disconnect import unless_disconnected
 from tokenwire.api.openapi import streamed
 from tokenwire.api.responses import OrjsonResponse
@@ -34,6 +35,7 @@ router = APIRouter(tags=["sglang"])
 async def generate(body: SGLangGenerateRequest, request: Request) -> Response:
     pipeline = pipeline_of(request)
     apply_logprob_limit(pipeline, body)
+    await admitted(request, pipeline)
     run = await start_sglang_generate(pipeline, body)
     if body.stream:
         return sse_response(run.chunks())
