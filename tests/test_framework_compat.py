@@ -331,3 +331,26 @@ def test_pause_generation_holds_a_bounded_queue_until_clients_leave(
 
 
 GENERATE = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}
+
+
+# -- vLLM's /server_info (TRL's first call) ----------------------------------------------------
+
+
+def test_trl_reads_the_resolved_config_from_server_info(rl: httpx.Client) -> None:
+    """TRL's async GRPO VLLMClient: ``get_dtype`` reads ``vllm_config.model_config.dtype`` and
+    ``get_server_info`` the whole ``vllm_config``."""
+    info = ok(rl.get("/server_info", params={"config_format": "json"}))
+    config = info["vllm_config"]
+    assert config["model_config"]["dtype"] == "torch.float32"
+    assert config["model_config"]["max_logprobs"] == -1  # the rl server's flag, as given
+    max_model_len = ok(rl.get("/v1/models"))["data"][0]["max_model_len"]
+    assert config["model_config"]["max_model_len"] == max_model_len
+    assert config["scheduler_config"]["max_num_seqs"] == 64
+    assert config["parallel_config"]["world_size"] == ok(rl.get("/get_world_size"))["world_size"]
+    assert config["weight_transfer_config"] is None
+    assert set(info) == {"vllm_config", "vllm_env", "system_env"}
+    # vLLM's default is the config as text.
+    text = ok(rl.get("/server_info"))["vllm_config"]
+    assert isinstance(text, str) and "dtype='torch.float32'" in text
+    refused = rl.get("/server_info", params={"config_format": "yaml"})
+    assert assert_error(refused, 400, "config_format")["param"] == "config_format"

@@ -15,6 +15,7 @@ from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import pipeline_of
 from tokenwire.pipeline import control
 from tokenwire.pipeline.errors import InvalidRequest
+from tokenwire.pipeline.server_info import ConfigFormat, server_info
 from tokenwire.protocol.control import (
     MemoryOccupationBody,
     PauseGenerationBody,
@@ -28,6 +29,7 @@ from tokenwire.protocol.responses import (
     IsPausedResponse,
     IsSleepingResponse,
     MessageStatusResponse,
+    ServerInfoResponse,
     StatusResponse,
     SuccessResponse,
     UpdateWeightsFromDiskResponse,
@@ -188,6 +190,12 @@ async def flush_cache(request: Request, timeout: Annotated[float, Query(ge=0.0)]
 async def reset_prefix_cache(request: Request) -> Response:
     success = await pipeline_of(request).ready().engine.reset_prefix_cache()
     return OrjsonResponse({"success": success})
+
+
+@router.get("/server_info", response_model=ServerInfoResponse)
+async def show_server_info(request: Request, config_format: ConfigFormat = "text") -> Response:
+    """vLLM's (dev mode): the resolved configuration; TRL asks ``config_format=json``."""
+    return OrjsonResponse(server_info(pipeline_of(request), config_format))
 
 
 @router.get("/get_world_size", response_model=WorldSizeResponse)

@@ -58,7 +58,8 @@ class VLLMEngine:
         self.vocab_size = 0
         self.eos_token_ids: tuple[int, ...] = ()
         self._llm: Any = None
-        self._logprobs_mode = "raw_logprobs"
+        self.logprobs_mode = "raw_logprobs"
+        self.dtype = dtype or "auto"  # vLLM's resolved dtype once started
         self._version = DEFAULT_WEIGHT_VERSION
         self._paused = False
         self._live: dict[str, str] = {}  # tokenwire request id -> vLLM's internal id
@@ -88,7 +89,8 @@ class VLLMEngine:
         config = self._llm.model_config
         self.max_model_len = int(config.max_model_len)
         self.vocab_size = int(config.get_vocab_size())
-        self._logprobs_mode = str(config.logprobs_mode)
+        self.logprobs_mode = str(config.logprobs_mode)
+        self.dtype = str(config.dtype)
         eos = config.try_get_generation_config().get("eos_token_id")
         if eos is None:
             eos = getattr(config.hf_text_config, "eos_token_id", None)
@@ -123,7 +125,7 @@ class VLLMEngine:
             raise EngineError("--engine vllm takes no image input yet (see docs/api.md)")
         if request_id in self._live:
             raise EngineError(f"request id {request_id!r} is already running")
-        params = sampling_params(sampling, self._logprobs_mode)
+        params = sampling_params(sampling, self.logprobs_mode)
         state = OutputState(prompt, sampling, frozenset(self.eos_token_ids), self._version)
         self._live[request_id] = ""
         collector = None
