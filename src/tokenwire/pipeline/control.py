@@ -134,8 +134,8 @@ async def sleep(
     pipeline.control.asleep |= frozenset(tags)
 
 
-async def wake_up(pipeline: Pipeline, tags: Collection[str] | None = None) -> bool:
-    """Wake ``tags`` (None: all); once none sleeps, resume. Return whether awake."""
+async def wake_up(pipeline: Pipeline, tags: Collection[str] | None = None) -> None:
+    """Wake ``tags`` (None: all); once none sleeps, resume."""
     state = pipeline.control
     if tags is None:
         state.asleep = frozenset()
@@ -144,7 +144,6 @@ async def wake_up(pipeline: Pipeline, tags: Collection[str] | None = None) -> bo
         state.asleep -= frozenset(tags)
     if not state.asleep:
         await resume(pipeline)
-    return not state.asleep
 
 
 def _check_tags(tags: Collection[str]) -> None:
