@@ -143,7 +143,7 @@ QWEN3_SERVER_ARGS = [
     "--request-read-timeout-s",
     "3",
 ]
-RL_SERVER_ARGS = ["--enable-rl-control"]
+RL_SERVER_ARGS = ["--enable-rl-control", "--max-logprobs", "-1", "--max-held-requests", "2"]
 
 
 def free_port() -> int:
@@ -220,7 +220,9 @@ def qwen3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="session")
 def rl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """SmolLM2 with the RL control routes, for tests that pause it and swap its weights."""
+    """SmolLM2 with the RL control routes, for tests that pause it and swap its weights; any
+    logprob count is allowed (``--max-logprobs -1``, as TRL's docs start vLLM), and SGLang's
+    pause holds at most two requests."""
     yield from _start(tmp_path_factory, "rl", RL_SERVER_ARGS, api_key=API_KEY)
 
 

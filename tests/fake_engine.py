@@ -141,6 +141,8 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.dtype = "torch.float32"
+        self.logprobs_mode = "raw_logprobs"
         self.script: Script = cycle_prompt
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self.calls: list[EngineCall] = []

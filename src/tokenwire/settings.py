@@ -77,6 +77,11 @@ class Settings:
     )
     max_num_seqs: int = flag(64, type=int)
     max_n: int = flag(16, type=int, help="largest n per request")
+    max_logprobs: int = flag(
+        20,
+        type=int,
+        help="most logprobs, top_logprobs or prompt_logprobs a request may ask (-1: vocabulary)",
+    )
     prefix_cache_bytes: int = flag(
         DEFAULT_PREFIX_CACHE_BYTES,
         type=int,
@@ -101,6 +106,11 @@ class Settings:
     device: str | None = flag(None, help="cpu or cuda (default: cuda if present)")
     enable_rl_control: bool = flag(
         False, switch=True, help="serve pause/resume, weight reload and weight version routes"
+    )
+    max_held_requests: int = flag(
+        1024,
+        type=int,
+        help="requests that may wait out SGLang's /pause_generation at once; more get a 503",
     )
     engine: EngineKind = flag(
         "hf",
@@ -208,6 +218,10 @@ def settings_from_args(args: argparse.Namespace, engine_args: Sequence[str] = ()
             values[f.name] = tuple(value) if value is not None else f.default
     if values.get("prefix_cache_bytes", 0) < 0:
         raise ValueError("--prefix-cache-bytes must be >= 0 (0 turns the prefix cache off)")
+    if values.get("max_logprobs", 0) < -1:
+        raise ValueError("--max-logprobs must be >= -1 (-1: the vocabulary size)")
+    if values.get("max_held_requests", 0) < 0:
+        raise ValueError("--max-held-requests must be >= 0")
     return Settings(**values, engine_args=tuple(engine_args))
 
 

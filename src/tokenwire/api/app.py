@@ -143,6 +143,7 @@ async def _load_runtime(
                 dtype=settings.dtype,
                 extra_args=settings.engine_args,
                 prefix_cache_bytes=settings.prefix_cache_bytes,
+                max_logprobs=settings.max_logprobs,
             )
         await engine.start()
     except asyncio.CancelledError:

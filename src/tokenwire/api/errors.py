@@ -93,7 +93,8 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
         if error.get("type") == "json_invalid":
             position = error.get("loc", ("body", "?"))[-1]
             return f"Invalid JSON body (at character {position})", None
-        loc = [str(item) for item in error.get("loc", ()) if item != "body"]
+        # The part of the request (body, query string) is not part of the field's name.
+        loc = [str(item) for item in error.get("loc", ()) if item not in ("body", "query")]
         # Tagged unions add the tag to the location; it names no field.
         loc = [item for item in loc if item not in _UNION_TAGS]
         field = ".".join(loc)
@@ -108,8 +109,10 @@ def exception_response(request: Request, exc: Exception) -> Response | None:
     """The error response for an exception a route may raise; None for a bug (a 500)."""
     if isinstance(exc, RequestValidationError):
         content_type = request.headers.get("content-type", "")
-        if request.method == "POST" and "json" not in content_type:
-            # FastAPI only parses JSON bodies sent as JSON (curl -d sends a form type).
+        body_failed = any(error.get("loc", ())[:1] == ("body",) for error in exc.errors())
+        if request.method == "POST" and "json" not in content_type and body_failed:
+            # FastAPI only parses JSON bodies sent as JSON (curl -d sends a form type); a bad
+            # query parameter of a bodiless POST is not about the body.
             return error_response(400, NOT_JSON, "Content-Type")
         message, param = describe_validation_error(exc)
         return error_response(400, message, param)

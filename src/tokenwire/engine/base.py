@@ -118,6 +118,10 @@ class Engine(Protocol):
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]  # known once started
+    # As vLLM's config reports them (``/server_info``), once started: the weights' dtype
+    # (``"torch.bfloat16"``), and the logprobs a request gets unless it asks for the other kind.
+    dtype: str
+    logprobs_mode: str
 
     async def start(self) -> None: ...
 

@@ -23,11 +23,14 @@ def create_engine(
     dtype: str | None = None,
     extra_args: Sequence[str] = (),
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+    max_logprobs: int = 20,
 ) -> Engine:
     """An unstarted engine of ``kind``; ``extra_args`` are vLLM engine flags (vllm only).
 
     ``prefix_cache_bytes`` budgets the hf engine's prefix cache (0: off);
     vLLM sizes its own (``--enable-prefix-caching`` and its KV cache flags).
+    ``max_logprobs`` is ``--max-logprobs``, which vLLM's engine checks again itself (the hf
+    engine serves any count the pipeline admits).
     """
     if kind == "vllm":
         from tokenwire.engine.vllm import VLLMEngine
@@ -38,6 +41,7 @@ def create_engine(
             max_num_seqs=max_num_seqs,
             dtype=dtype,
             extra_args=extra_args,
+            max_logprobs=max_logprobs,
         )
     if extra_args:
         raise ValueError(f"engine arguments {list(extra_args)} need --engine vllm")

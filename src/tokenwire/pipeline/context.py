@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from tokenwire.engine.base import Engine, PauseMode
@@ -30,6 +31,9 @@ class ServingConfig:
     enable_auto_tool_choice: bool
     trust_request_chat_template: bool
     max_n: int
+    # --max-logprobs as given: -1 means the vocabulary size (see pipeline.logprob_limit).
+    max_logprobs: int
+    max_held_requests: int  # that may wait out SGLang's /pause_generation at once
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ServingConfig:
@@ -47,6 +51,8 @@ class ServingConfig:
             enable_auto_tool_choice=settings.enable_auto_tool_choice,
             trust_request_chat_template=settings.trust_request_chat_template,
             max_n=settings.max_n,
+            max_logprobs=settings.max_logprobs,
+            max_held_requests=settings.max_held_requests,
         )
 
     @property
@@ -79,8 +85,19 @@ class ControlState:
     """What the RL control routes set (see ``pipeline.control``); every new request reads it."""
 
     pause_mode: PauseMode | None = None
-    sleeping: bool = False
+    # Memory tags put to sleep (/sleep, /release_memory_occupation) and not woken yet; new
+    # requests are refused while any is left, as vLLM's engine sleeps until all are woken.
+    asleep: frozenset[str] = frozenset()
+    # SGLang's /pause_generation: new requests wait (``held`` of them now) until ``continued``
+    # is set by a resume, where vLLM's pause answers them 503.
+    holding: bool = False
+    continued: asyncio.Event = field(default_factory=asyncio.Event)
+    held: int = 0
     reloads: int = 0  # numbers the versions of reloads that name none
+
+    @property
+    def sleeping(self) -> bool:
+        return bool(self.asleep)
 
 
 @dataclass(slots=True)

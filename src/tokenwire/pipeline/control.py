@@ -5,11 +5,17 @@ token carries the version that sampled it. Pause modes are vLLM's: ``abort`` end
 flight now (with their partial tokens), ``wait`` lets them finish, ``keep`` freezes them until
 resume (``clear_cache``: they recompute their KV with the weights loaded by then). While paused
 by ``abort`` or ``wait`` (or asleep), new requests get a 503 until resume, as in vLLM 0.33;
-under ``keep`` they queue.
+under ``keep`` they queue. SGLang's pause holds new requests until resume instead (a
+bounded number, each until its client leaves). Sleep puts memory tags to sleep (vLLM's
+``weights`` and ``kv_cache``, SGLang's also ``cuda_graph``); the server sleeps until every one
+is woken.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +24,50 @@ from tokenwire.pipeline.context import Pipeline
 from tokenwire.pipeline.errors import InvalidRequest, NotReady
 
 PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
+# The memory vLLM's /sleep releases, and SGLang's /release_memory_occupation by default; a
+# wake-up (or resume) may name some of them.
+VLLM_MEMORY_TAGS = ("weights", "kv_cache")
+SGLANG_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+_FLUSH_RETRY_S = 0.05  # between two tries of a flush that waits for the engine
+# SGLang's pause modes in vLLM's terms: (mode, drop the kept requests' KV).
+SGLANG_PAUSE_MODES: dict[str, tuple[str, bool]] = {
+    "abort": ("abort", False),
+    "retract": ("keep", True),
+    "in_place": ("keep", False),
+}
 
 
 def admit(pipeline: Pipeline) -> None:
-    """Refuse a new request while asleep or paused by ``abort`` / ``wait``."""
+    """Refuse a new request while asleep or paused by vLLM's ``abort`` / ``wait``. Under
+    SGLang's pause one that got past ``wait_admitted`` queues in the paused engine."""
     state = pipeline.control
     if state.sleeping:
         raise NotReady("The engine is sleeping; wake it up first")
-    if state.pause_mode in ("abort", "wait"):
+    if state.pause_mode in ("abort", "wait") and not state.holding:
         raise NotReady("The engine is paused; new requests are refused until resume")
+
+
+async def wait_admitted(pipeline: Pipeline) -> None:
+    """Hold a new request while SGLang's /pause_generation lasts, as SGLang does (AReaL gives
+    up after three 503s); at most --max-held-requests at once, more get a 503. Cancel it when
+    the client leaves: nothing has started yet. ``admit`` then decides as for any request."""
+    state = pipeline.control
+    while state.holding:
+        if state.held >= pipeline.config.max_held_requests:
+            raise NotReady(
+                f"Generation is paused and {state.held} requests already wait for "
+                "/continue_generation (--max-held-requests)"
+            )
+        state.held += 1
+        try:
+            await state.continued.wait()
+        finally:
+            state.held -= 1
+
+
+def is_holding(pipeline: Pipeline) -> bool:
+    """Whether new requests wait in ``wait_admitted`` now."""
+    return pipeline.control.holding
 
 
 async def pause(pipeline: Pipeline, mode: str, *, clear_cache: bool = False) -> int:
@@ -43,23 +84,87 @@ async def pause(pipeline: Pipeline, mode: str, *, clear_cache: bool = False) -> 
         raise
 
 
+async def pause_generation(pipeline: Pipeline, mode: str) -> None:
+    """SGLang's pause: requests in flight by ``mode``, new ones held until resume."""
+    if mode not in SGLANG_PAUSE_MODES:
+        modes = ", ".join(SGLANG_PAUSE_MODES)
+        raise InvalidRequest(f"mode must be one of {modes}, got {mode!r}", "mode")
+    vllm_mode, clear_cache = SGLANG_PAUSE_MODES[mode]
+    state = pipeline.control
+    # Before the engine pauses: a request arriving meanwhile must wait, not get a 503.
+    holding, state.holding = state.holding, True
+    state.continued.clear()
+    try:
+        await pause(pipeline, vllm_mode, clear_cache=clear_cache)
+    except BaseException:
+        state.holding = holding
+        if not holding:
+            state.continued.set()
+        raise
+
+
 async def resume(pipeline: Pipeline) -> None:
     await pipeline.ready().engine.resume()
-    pipeline.control.pause_mode = None
-    pipeline.control.sleeping = False
+    state = pipeline.control
+    state.pause_mode = None
+    state.asleep = frozenset()
+    # Last: a held request goes on to ``admit``, which must find the pause over.
+    state.holding = False
+    state.continued.set()
 
 
 def is_paused(pipeline: Pipeline) -> bool:
     return pipeline.control.pause_mode is not None
 
 
-async def sleep(pipeline: Pipeline, level: int) -> None:
-    """vLLM's sleep: requests in flight end now and new ones are refused until wake-up. The hf
-    engine keeps its weights in memory at every level (there is no device memory to free)."""
+async def sleep(
+    pipeline: Pipeline,
+    level: int,
+    *,
+    mode: str = "abort",
+    tags: Collection[str] = VLLM_MEMORY_TAGS,
+) -> None:
+    """vLLM's sleep: requests in flight are paused by ``mode`` (vLLM's default: they end now)
+    and new ones are refused until every one of ``tags`` is woken. The hf engine keeps its
+    weights in memory at every level (there is no device memory to free)."""
     if level not in (1, 2):
         raise InvalidRequest(f"level must be 1 or 2, got {level}", "level")
-    await pause(pipeline, "abort")
-    pipeline.control.sleeping = True
+    _check_tags(tags)
+    await pause(pipeline, mode)
+    pipeline.control.asleep |= frozenset(tags)
+
+
+async def wake_up(pipeline: Pipeline, tags: Collection[str] | None = None) -> None:
+    """Wake ``tags`` (None: all); once none sleeps, resume."""
+    state = pipeline.control
+    if tags is None:
+        state.asleep = frozenset()
+    else:
+        _check_tags(tags)
+        state.asleep -= frozenset(tags)
+    if not state.asleep:
+        await resume(pipeline)
+
+
+def _check_tags(tags: Collection[str]) -> None:
+    unknown = sorted(set(tags) - set(SGLANG_MEMORY_TAGS))
+    if unknown:
+        raise InvalidRequest(
+            f"tags: unknown memory tags {unknown}; known: {', '.join(SGLANG_MEMORY_TAGS)}",
+            "tags",
+        )
+
+
+async def flush_cache(pipeline: Pipeline, timeout_s: float = 0.0) -> bool:
+    """SGLang's flush: reset the prefix cache, retrying for up to ``timeout_s`` while an engine
+    refuses (vLLM's does while running requests hold cached blocks)."""
+    engine = pipeline.ready().engine
+    deadline = time.monotonic() + timeout_s
+    while not await engine.reset_prefix_cache():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(_FLUSH_RETRY_S)
+    return True
 
 
 async def abort_requests(pipeline: Pipeline, request_ids: list[str] | None = None) -> int:
@@ -94,6 +199,38 @@ async def load_weights(
         raise InvalidRequest(f"weights not loaded: {exc}", "weight_dir") from exc
     state.reloads += 1
     return version
+
+
+async def update_weights(
+    pipeline: Pipeline,
+    weight_dir: str | None,
+    version: str | None,
+    update_info: dict[str, Any] | None,
+) -> str:
+    """``/update_weights``: prime-rl's form loads ``weight_dir``; vLLM's (``update_info``) needs
+    the weight-transfer engine, which is not initialised here yet. Return the new version."""
+    if weight_dir is not None and update_info is not None:
+        raise InvalidRequest(
+            "update_info: send weight_dir (prime-rl's form) or update_info (vLLM's), not both",
+            "update_info",
+        )
+    if update_info is not None:
+        raise InvalidRequest(
+            "update_info: the weight-transfer engine is not initialised (vLLM's form of "
+            "/update_weights receives tensors over the group that POST "
+            "/init_weight_transfer_engine sets up, which this server does not serve yet); to "
+            'load a checkpoint directory send prime-rl\'s {"weight_dir": ..., '
+            '"weight_version": ...}',
+            "update_info",
+        )
+    if weight_dir is None:
+        raise InvalidRequest(
+            'weight_dir: Field required: /update_weights takes prime-rl\'s {"weight_dir": ..., '
+            '"weight_version"?} (a checkpoint directory) or vLLM\'s {"update_info": ...} '
+            "(after POST /init_weight_transfer_engine)",
+            "weight_dir",
+        )
+    return await load_weights(pipeline, weight_dir, version)
 
 
 async def set_weight_version(

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from tokenwire.protocol.common import RequestModel
+from tokenwire.protocol.common import Int64, RequestModel
 
 Version = str  # a weight version label, as the trainer names it
 
@@ -34,10 +34,13 @@ class UpdateWeightVersionBody(RequestModel):
 
 
 class UpdateWeightsBody(RequestModel):
-    """prime-rl's ``/update_weights``: a checkpoint directory of the same architecture."""
+    """``/update_weights`` in either client's form: prime-rl's checkpoint directory of the same
+    architecture (``weight_dir``), or vLLM's weight-transfer step (``update_info``, tensors
+    from the trainer's group); ``pipeline.control.update_weights`` tells them apart."""
 
-    weight_dir: str = Field(min_length=1)
+    weight_dir: str | None = Field(default=None, min_length=1)
     weight_version: str | None = Field(default=None, min_length=1, max_length=256)
+    update_info: dict[str, Any] | None = None
 
 
 class UpdateWeightsFromDiskBody(RequestModel):
@@ -53,3 +56,32 @@ class PauseGenerationBody(RequestModel):
     """SGLang's ``/pause_generation``: ``retract`` recomputes kept requests on resume."""
 
     mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class SleepBody(RequestModel):
+    """vLLM reads ``/sleep``'s ``level`` and ``mode`` from the query; skyrl-train sends them in
+    the JSON body, which wins when both are given."""
+
+    level: Int64 | None = None
+    mode: Literal["abort", "wait", "keep"] | None = None
+
+
+class WakeUpBody(RequestModel):
+    """``/wake_up``'s ``tags`` in the body (skyrl-train), as the query's ``tags`` (vLLM)."""
+
+    tags: list[str] | None = None
+
+    @field_validator("tags", mode="before")
+    @classmethod
+    def _tags_as_list(cls, value: Any) -> Any:
+        # skyrl-train sends ``tags: 1`` when its caller names none (its default): wake all.
+        if isinstance(value, int):
+            return None
+        return [value] if isinstance(value, str) else value
+
+
+class MemoryOccupationBody(RequestModel):
+    """SGLang's ``/release_memory_occupation`` and ``/resume_memory_occupation``: the memory
+    ``tags`` (None: all of them)."""
+
+    tags: list[str] | None = None

@@ -22,7 +22,7 @@ from tokenwire.protocol.common import (
 )
 
 CONTENT_PARTS_AND_FEATURES = "content_parts and features are mutually exclusive"
-MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs; the flag is checked in the pipeline
 
 # vLLM SamplingParams fields that tokenwire accepts and ignores: they change no token ids.
 NO_EFFECT_FIELDS = frozenset(
@@ -30,7 +30,7 @@ NO_EFFECT_FIELDS = frozenset(
         "skip_special_tokens",  # text only (derender, OpenAI routes); generate returns ids
         "spaces_between_special_tokens",  # text only
         "include_stop_str_in_output",  # text only; the stop token is always in token_ids
-        "output_kind",  # tokenwire always streams deltas and returns the final result
+        "output_kind",  # streams are always deltas, a whole answer always every choice's output
         "flat_logprobs",  # a vLLM-internal container choice
         "routed_experts_prompt_start",  # MoE routing capture; the hf engine has no experts
         "return_routed_experts",
@@ -82,7 +82,8 @@ class SamplingParamsModel(StrictRequestModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    output_kind: Int64 | str | None = None
+    # vLLM's RequestOutputKind: 0 CUMULATIVE, 1 DELTA, 2 FINAL_ONLY (TRL sends 2).
+    output_kind: Int64 | None = Field(default=None, ge=0, le=2)
     flat_logprobs: bool = False
     routed_experts_prompt_start: Int64 | None = None
     return_routed_experts: bool | None = None
@@ -113,13 +114,6 @@ class SamplingParamsModel(StrictRequestModel):
                 raise ValueError(f"{name} is not supported by tokenwire")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are not supported when detokenize is False")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and value > MAX_LOGPROBS:
-                raise ValueError(
-                    f"Requested {name} of {value}, which is greater than max allowed: "
-                    f"{MAX_LOGPROBS}"
-                )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must be less than or equal to max_tokens")
         return self
@@ -132,7 +126,8 @@ class SamplingParamsModel(StrictRequestModel):
 
     @property
     def num_logprobs(self) -> int | None:
-        """-1 means the whole vocabulary in vLLM; tokenwire caps it at MAX_LOGPROBS."""
+        """-1 means the whole vocabulary in vLLM; the routes turn it into --max-logprobs
+        before a job starts (``pipeline.logprob_limit``), MAX_LOGPROBS is the fallback."""
         if self.logprobs is None:
             return None
         return MAX_LOGPROBS if self.logprobs < 0 else self.logprobs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tokenwire.protocol.common import (
     Int64,
@@ -21,6 +21,7 @@ from tokenwire.protocol.common import (
 from tokenwire.protocol.generate import SamplingParamsModel, StreamOptions
 from tokenwire.protocol.tokenize import ChatTemplateOptions
 
+# Alternatives per token that derender reads back (vLLM's default --max-logprobs).
 MAX_TOP_LOGPROBS = 20
 
 
@@ -85,7 +86,7 @@ class SamplingFields(RequestModel):
 
 class ChatCompletionRequest(ChatTemplateOptions, SamplingFields):
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0)
     max_completion_tokens: NonNegativeInt64 | None = Field(default=None, ge=1)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -113,11 +114,18 @@ Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
     suffix: str | None = None
     add_special_tokens: bool = True
     user: str | None = None
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _bool_logprobs_as_count(cls, value: Any) -> Any:
+        # vLLM's lax pydantic takes a chat-style ``true`` (1) or ``false`` (0) here, and trace
+        # gateways inject ``true`` into every request.
+        return int(value) if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _non_empty_prompt(self) -> CompletionRequest:

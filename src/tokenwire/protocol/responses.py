@@ -223,6 +223,14 @@ class SuccessResponse(BaseModel):
     success: bool
 
 
+class ServerInfoResponse(BaseModel):
+    """vLLM's ``/server_info``: ``vllm_config`` is an object with ``config_format=json``."""
+
+    vllm_config: JsonObject | str
+    vllm_env: JsonObject
+    system_env: JsonObject
+
+
 class WorldSizeResponse(BaseModel):
     world_size: int
 

@@ -19,7 +19,6 @@ from tokenwire.protocol.common import (
     TopK,
     TopP,
 )
-from tokenwire.protocol.generate import MAX_LOGPROBS
 
 # SGLang's default when a request names no max_new_tokens.
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -53,7 +52,7 @@ class SGLangGenerateRequest(RequestModel):
     input_ids: list[Any] | None = None
     sampling_params: SGLangSamplingParams = Field(default_factory=SGLangSamplingParams)
     return_logprob: bool = False
-    top_logprobs_num: int = Field(default=0, ge=0, le=MAX_LOGPROBS)
+    top_logprobs_num: int = Field(default=0, ge=0)
     return_text_in_logprobs: bool = False
     # Input logprobs from this prompt position on; -1: output logprobs only (SGLang's default).
     logprob_start_len: Int64 = -1

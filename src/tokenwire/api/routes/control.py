@@ -6,22 +6,30 @@ could otherwise stop the server or load weights from its disk.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
-from starlette.responses import Response
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from starlette.responses import PlainTextResponse, Response
 
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import pipeline_of
 from tokenwire.pipeline import control
+from tokenwire.pipeline.errors import InvalidRequest
+from tokenwire.pipeline.server_info import ConfigFormat, server_info
 from tokenwire.protocol.control import (
+    MemoryOccupationBody,
     PauseGenerationBody,
+    SleepBody,
     UpdateWeightsBody,
     UpdateWeightsFromDiskBody,
     UpdateWeightVersionBody,
+    WakeUpBody,
 )
 from tokenwire.protocol.responses import (
     IsPausedResponse,
     IsSleepingResponse,
     MessageStatusResponse,
+    ServerInfoResponse,
     StatusResponse,
     SuccessResponse,
     UpdateWeightsFromDiskResponse,
@@ -33,8 +41,17 @@ from tokenwire.protocol.responses import (
 
 router = APIRouter(tags=["rl-control"])
 
-# SGLang's pause modes in vLLM's terms: (mode, drop the kept requests' KV).
-_SGLANG_PAUSE = {"abort": ("abort", False), "retract": ("keep", True), "in_place": ("keep", False)}
+# SGLang's answers: JSON null (memory routes) and a text (flush; clients match its start).
+_SGLANG_NULL: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "JSON null, as SGLang answers",
+        "content": {"application/json": {"schema": {"type": "null"}}},
+    }
+}
+_SGLANG_FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+    "waiting requests, the operation will not be performed.)\n"
+)
 
 
 @router.post("/pause", response_model=StatusResponse)
@@ -54,16 +71,29 @@ async def is_paused(request: Request) -> Response:
     return OrjsonResponse({"is_paused": control.is_paused(pipeline_of(request))})
 
 
-@router.post("/sleep", response_class=Response)
-async def sleep(request: Request, level: int = 1) -> Response:
-    await control.sleep(pipeline_of(request), level)
-    return Response(status_code=200)
+@router.post("/sleep", response_model=StatusResponse)
+async def sleep(
+    request: Request, body: SleepBody | None = None, level: int = 1, mode: str = "abort"
+) -> Response:
+    """vLLM's sleep (level and mode in the query); skyrl-train's body and ``{"status": "ok"}``."""
+    if body is not None:
+        level = level if body.level is None else body.level
+        mode = mode if body.mode is None else body.mode
+    await control.sleep(pipeline_of(request), level, mode=mode)
+    return OrjsonResponse({"status": "ok"})
 
 
-@router.post("/wake_up", response_class=Response)
-async def wake_up(request: Request, tags: str | None = None) -> Response:
-    await control.resume(pipeline_of(request))
-    return Response(status_code=200)
+@router.post("/wake_up", response_model=StatusResponse)
+async def wake_up(
+    request: Request,
+    body: WakeUpBody | None = None,
+    tags: Annotated[list[str] | None, Query()] = None,
+) -> Response:
+    """vLLM's wake-up (``tags`` repeated in the query); skyrl-train's body and answer."""
+    if body is not None and body.tags is not None:
+        tags = body.tags
+    await control.wake_up(pipeline_of(request), tags)
+    return OrjsonResponse({"status": "ok"})
 
 
 @router.get("/is_sleeping", response_model=IsSleepingResponse)
@@ -89,7 +119,9 @@ async def weight_info(request: Request) -> Response:
 
 @router.post("/update_weights", response_model=UpdateWeightsResponse)
 async def update_weights(body: UpdateWeightsBody, request: Request) -> Response:
-    version = await control.load_weights(pipeline_of(request), body.weight_dir, body.weight_version)
+    version = await control.update_weights(
+        pipeline_of(request), body.weight_dir, body.weight_version, body.update_info
+    )
     return OrjsonResponse({"success": True, "weight_version": version})
 
 
@@ -112,9 +144,10 @@ async def update_weights_from_disk(body: UpdateWeightsFromDiskBody, request: Req
 
 
 @router.post("/pause_generation", response_model=MessageStatusResponse)
-async def pause_generation(body: PauseGenerationBody, request: Request) -> Response:
-    mode, clear_cache = _SGLANG_PAUSE[body.mode]
-    await control.pause(pipeline_of(request), mode, clear_cache=clear_cache)
+async def pause_generation(request: Request, body: PauseGenerationBody | None = None) -> Response:
+    """SGLang's pause; new requests wait for /continue_generation. AReaL sends no body."""
+    mode = "abort" if body is None else body.mode
+    await control.pause_generation(pipeline_of(request), mode)
     return OrjsonResponse({"message": "Generation paused.", "status": "ok"})
 
 
@@ -124,10 +157,45 @@ async def continue_generation(request: Request) -> Response:
     return OrjsonResponse({"message": "Generation continued.", "status": "ok"})
 
 
+@router.api_route("/release_memory_occupation", methods=["GET", "POST"], responses=_SGLANG_NULL)
+async def release_memory_occupation(
+    request: Request, body: MemoryOccupationBody | None = None
+) -> Response:
+    """SGLang's sleep: the ``tags`` (default: all of SGLang's) sleep until resumed."""
+    tags = control.SGLANG_MEMORY_TAGS if body is None or body.tags is None else body.tags
+    await control.sleep(pipeline_of(request), 1, tags=tags)
+    return OrjsonResponse(None)
+
+
+@router.api_route("/resume_memory_occupation", methods=["GET", "POST"], responses=_SGLANG_NULL)
+async def resume_memory_occupation(
+    request: Request, body: MemoryOccupationBody | None = None
+) -> Response:
+    await control.wake_up(pipeline_of(request), None if body is None else body.tags)
+    return OrjsonResponse(None)
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"], response_class=PlainTextResponse)
+async def flush_cache(request: Request, timeout: Annotated[float, Query(ge=0.0)] = 0.0) -> Response:
+    """SGLang's name for resetting the prefix cache, answered with SGLang's text."""
+    if not await control.flush_cache(pipeline_of(request), timeout):
+        # SGLang answers a refused flush with a 400 too.
+        raise InvalidRequest(
+            "Flush cache failed: running requests hold cached blocks; retry when idle"
+        )
+    return PlainTextResponse(_SGLANG_FLUSHED)
+
+
 @router.post("/reset_prefix_cache", response_model=SuccessResponse)
 async def reset_prefix_cache(request: Request) -> Response:
     success = await pipeline_of(request).ready().engine.reset_prefix_cache()
     return OrjsonResponse({"success": success})
+
+
+@router.get("/server_info", response_model=ServerInfoResponse)
+async def show_server_info(request: Request, config_format: ConfigFormat = "text") -> Response:
+    """vLLM's (dev mode): the resolved configuration; TRL asks ``config_format=json``."""
+    return OrjsonResponse(server_info(pipeline_of(request), config_format))
 
 
 @router.get("/get_world_size", response_model=WorldSizeResponse)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from tokenwire.api.admission import admitted
 from tokenwire.api.disconnect import unless_disconnected
 from tokenwire.api.openapi import MEDIA_ERRORS, streamed
 from tokenwire.api.responses import OrjsonResponse
@@ -12,6 +13,7 @@ from tokenwire.api.sse import sse_response
 from tokenwire.api.state import pipeline_of
 from tokenwire.pipeline import control
 from tokenwire.pipeline import generate as generation
+from tokenwire.pipeline.logprob_limit import apply_logprob_limit
 from tokenwire.protocol.control import AbortRequestsBody, InferenceAbortBody
 from tokenwire.protocol.generate import GenerateRequest
 from tokenwire.protocol.responses import AbortResponse, GenerateChunk, GenerateResponse
@@ -27,7 +29,10 @@ router = APIRouter(tags=["generate"])
 async def generate(body: GenerateRequest, request: Request) -> Response:
     # The X-Request-Id header wins over the body's request_id.
     request_id = request.headers.get("x-request-id") or body.request_id
-    run = await generation.start_generation(pipeline_of(request), body, request_id)
+    pipeline = pipeline_of(request)
+    apply_logprob_limit(pipeline, body)
+    await admitted(request, pipeline)
+    run = await generation.start_generation(pipeline, body, request_id)
     headers = {"X-Request-Id": request_id}
     if body.stream:
         return sse_response(run.chunks(), headers)

@@ -5,11 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from tokenwire.api.admission import admitted
 from tokenwire.api.disconnect import unless_disconnected
 from tokenwire.api.openapi import MEDIA_ERRORS, streamed
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.sse import sse_response
 from tokenwire.api.state import pipeline_of
+from tokenwire.pipeline.logprob_limit import apply_logprob_limit
 from tokenwire.pipeline.openai import CompletionRun, start_chat_completion, start_completion
 from tokenwire.protocol.openai import ChatCompletionRequest, CompletionRequest
 from tokenwire.protocol.responses import (
@@ -27,7 +29,10 @@ router = APIRouter(tags=["openai"])
     responses={**streamed(ChatCompletionChunk), **MEDIA_ERRORS},
 )
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    run = await start_chat_completion(pipeline_of(request), body)
+    pipeline = pipeline_of(request)
+    apply_logprob_limit(pipeline, body)
+    await admitted(request, pipeline)
+    run = await start_chat_completion(pipeline, body)
     return await _respond(run, request, stream=body.stream)
 
 
@@ -35,7 +40,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     "/v1/completions", response_model=CompletionResponse, responses=streamed(CompletionResponse)
 )
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    run = await start_completion(pipeline_of(request), body)
+    pipeline = pipeline_of(request)
+    apply_logprob_limit(pipeline, body)
+    await admitted(request, pipeline)
+    run = await start_completion(pipeline, body)
     return await _respond(run, request, stream=body.stream)
 
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from tokenwire.api.admission import admitted
 from tokenwire.api.disconnect import unless_disconnected
 from tokenwire.api.openapi import streamed
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.sse import sse_response
 from tokenwire.api.state import pipeline_of
 from tokenwire.pipeline import control
+from tokenwire.pipeline.logprob_limit import apply_logprob_limit
 from tokenwire.pipeline.sglang import start_sglang_generate
 from tokenwire.protocol.control import AbortRequestBody
 from tokenwire.protocol.responses import (
@@ -32,7 +34,10 @@ router = APIRouter(tags=["sglang"])
     responses=streamed(SGLangGenerateResponse),
 )
 async def generate(body: SGLangGenerateRequest, request: Request) -> Response:
-    run = await start_sglang_generate(pipeline_of(request), body)
+    pipeline = pipeline_of(request)
+    apply_logprob_limit(pipeline, body)
+    await admitted(request, pipeline)
+    run = await start_sglang_generate(pipeline, body)
     if body.stream:
         return sse_response(run.chunks())
     return OrjsonResponse(await unless_disconnected(request, run.response()))

@@ -106,6 +106,9 @@ def read_checkpoint(weight_dir: Path) -> dict[str, torch.Tensor]:
 class HFEngine:
     """Continuous batching for one transformers causal LM on CPU or CUDA (see the package)."""
 
+    # Each request may ask for the processed logprobs instead.
+    logprobs_mode = "raw_logprobs"
+
     def __init__(
         self,
         model_dir: Path,
@@ -157,6 +160,10 @@ class HFEngine:
     def vocab_size(self) -> int:
         """The config's vocabulary until the model loads, then its embedding rows."""
         return self._runner.vocab_size
+
+    @property
+    def dtype(self) -> str:
+        return str(self._runner.dtype)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -2,7 +2,7 @@
 
 Engine arguments tokenwire does not know (``--tensor-parallel-size``, ``--enforce-eager``, ...)
 are parsed by vLLM's own CLI parser, so every vLLM engine flag works as it does under
-``vllm serve``. tokenwire's own flags (model, context length, batch size, dtype) win.
+``vllm serve``. tokenwire's own flags (model, context length, batch size, dtype, max logprobs) win.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ def engine_args(
     max_num_seqs: int,
     dtype: str | None,
     extra: Sequence[str] = (),
+    max_logprobs: int = 20,
 ) -> Any:
     """``AsyncEngineArgs`` for ``model_dir``; ``extra`` are vLLM CLI flags passed through."""
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -34,6 +35,7 @@ def engine_args(
         raise ValueError(f"bad vLLM engine arguments: {' '.join(extra)}") from exc
     args = AsyncEngineArgs.from_cli_args(namespace)
     args.max_num_seqs = max_num_seqs
+    args.max_logprobs = max_logprobs
     if max_model_len is not None:
         args.max_model_len = max_model_len
     if dtype not in (None, "", "auto"):

@@ -42,16 +42,23 @@ class VLLMEngine:
         max_num_seqs: int = 64,
         dtype: str | None = None,
         extra_args: Sequence[str] = (),
+        max_logprobs: int = 20,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.model_name = self.model_dir.name
         self.max_num_seqs = max_num_seqs
-        self._options = {"max_model_len": max_model_len, "dtype": dtype, "extra": extra_args}
+        self._options = {
+            "max_model_len": max_model_len,
+            "dtype": dtype,
+            "extra": extra_args,
+            "max_logprobs": max_logprobs,
+        }
         self.max_model_len = max_model_len or 0  # vLLM's value once started
         self.vocab_size = 0
         self.eos_token_ids: tuple[int, ...] = ()
         self._llm: Any = None
-        self._logprobs_mode = "raw_logprobs"
+        self.logprobs_mode = "raw_logprobs"
+        self.dtype = dtype or "auto"  # vLLM's resolved dtype once started
         self._version = DEFAULT_WEIGHT_VERSION
         self._paused = False
         self._live: dict[str, str] = {}  # tokenwire request id -> vLLM's internal id
@@ -73,6 +80,7 @@ class VLLMEngine:
                 max_num_seqs=self.max_num_seqs,
                 dtype=self._options["dtype"],
                 extra=self._options["extra"],
+                max_logprobs=self._options["max_logprobs"],
             )
             self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         except Exception as exc:
@@ -80,7 +88,8 @@ class VLLMEngine:
         config = self._llm.model_config
         self.max_model_len = int(config.max_model_len)
         self.vocab_size = int(config.get_vocab_size())
-        self._logprobs_mode = str(config.logprobs_mode)
+        self.logprobs_mode = str(config.logprobs_mode)
+        self.dtype = str(config.dtype)
         eos = config.try_get_generation_config().get("eos_token_id")
         if eos is None:
             eos = getattr(config.hf_text_config, "eos_token_id", None)
@@ -112,7 +121,7 @@ class VLLMEngine:
             raise EngineError("--engine vllm takes no image input yet (see docs/api.md)")
         if request_id in self._live:
             raise EngineError(f"request id {request_id!r} is already running")
-        params = sampling_params(sampling, self._logprobs_mode)
+        params = sampling_params(sampling, self.logprobs_mode)
         state = OutputState(prompt, sampling, frozenset(self.eos_token_ids), self._version)
         self._live[request_id] = ""
         collector = None

@@ -1,0 +1,20 @@
+"""Admitting a generation request: SGLang's pause holds it until its client leaves.
+
+A held request has started nothing, so a client that gives up (its timeout, a disconnect) is
+cancelled here and its place in the bounded queue freed. Checked before waiting, so that a
+request pays for disconnect polling only while the server holds requests.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+
+from tokenwire.api.disconnect import unless_disconnected
+from tokenwire.pipeline import control
+from tokenwire.pipeline.context import Pipeline
+
+
+async def admitted(request: Request, pipeline: Pipeline) -> None:
+    """Return once the request may start (``control.admit`` still refuses it after that)."""
+    if control.is_holding(pipeline):
+        await unless_disconnected(request, control.wait_admitted(pipeline))

@@ -1,0 +1,67 @@
+"""vLLM's ``GET /server_info``: the resolved configuration, in ``VllmConfig``'s JSON shape.
+
+TRL's trainers read it first (``vllm_config.model_config.dtype`` for the weights they send,
+the weight-transfer config); vLLM serves it in dev mode, tokenwire with the RL control routes.
+Only what tokenwire can state is filled in, under vLLM's section and field names: one process
+(as ``/get_world_size`` says), no LoRA, no speculative decoding, and no weight-transfer
+engine yet (``weight_transfer_config: null``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from tokenwire.pipeline.context import Pipeline
+
+ConfigFormat = Literal["text", "json"]
+
+
+def server_info(pipeline: Pipeline, config_format: ConfigFormat) -> dict[str, Any]:
+    """vLLM's answer: ``vllm_config`` as a JSON object, or as one line of text (its default)."""
+    config = vllm_config(pipeline)
+    return {
+        "vllm_config": config if config_format == "json" else _as_text(config),
+        # vLLM lists its VLLM_* variables and collect_env's report; tokenwire reads neither.
+        "vllm_env": {},
+        "system_env": {},
+    }
+
+
+def vllm_config(pipeline: Pipeline) -> dict[str, Any]:
+    runtime = pipeline.ready()
+    engine = runtime.engine
+    serving = pipeline.config
+    return {
+        "model_config": {
+            "model": serving.model_root,
+            "served_model_name": serving.served_name,
+            "tokenizer": serving.model_root,
+            "skip_tokenizer_init": False,
+            "dtype": engine.dtype,
+            "max_model_len": runtime.max_model_len,
+            "max_logprobs": serving.max_logprobs,
+            "logprobs_mode": engine.logprobs_mode,
+        },
+        "parallel_config": {
+            "tensor_parallel_size": 1,
+            "pipeline_parallel_size": 1,
+            "data_parallel_size": 1,
+            "world_size": 1,
+        },
+        "scheduler_config": {
+            "max_num_seqs": engine.stats().max_num_seqs,
+            "max_model_len": runtime.max_model_len,
+        },
+        "lora_config": None,
+        "speculative_config": None,
+        "weight_transfer_config": None,
+    }
+
+
+def _as_text(config: dict[str, Any]) -> str:
+    """``name=value, ...`` over every field, as ``str(VllmConfig)`` reads."""
+    fields: list[str] = []
+    for name, value in config.items():
+        items = value.items() if isinstance(value, dict) else [(name, value)]
+        fields += [f"{key}={item!r}" for key, item in items]
+    return ", ".join(fields)
