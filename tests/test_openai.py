@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import httpx
 import openai
+import pytest
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -77,3 +78,41 @@ def test_sampled_top_logprobs_equal_render_generate_derender(
     assert any(entry["rank"] > 1 for entry in sampled)
     assert all(e["top_logprobs"][0]["token"] == e["token"] for e in chat)
     assert lists(chat) == lists(composed)
+
+
+def test_echo_logprobs_equal_generate_prompt_logprobs(
+    smollm2_openai: openai.OpenAI, smollm2: httpx.Client
+) -> None:
+    """AReaL's compute_logp: ``echo`` + ``logprobs`` with ``max_tokens: 0`` scores the given
+    ids; the numbers are generate's ``prompt_logprobs`` (a transformers forward's, see
+    test_generate) for the same ids."""
+    ids = smollm2.post("/tokenize", json={"messages": PARIS}).json()["tokens"]
+    scored = smollm2_openai.completions.create(
+        model="smollm2-135m-instruct",
+        prompt=ids,
+        max_tokens=0,
+        echo=True,
+        logprobs=1,
+        extra_body={"return_token_ids": True},
+    ).choices[0]
+    assert scored.model_extra["prompt_token_ids"] == ids
+    assert scored.model_extra["token_ids"] == []
+    reference = smollm2.post(
+        "/inference/v1/generate",
+        json={"token_ids": ids, "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0}},
+    ).json()["prompt_logprobs"]
+    token_logprobs = scored.logprobs.token_logprobs
+    assert len(token_logprobs) == len(ids) and token_logprobs[0] is None
+    for value, position, token_id in zip(token_logprobs[1:], reference[1:], ids[1:], strict=True):
+        assert value == pytest.approx(position[str(token_id)]["logprob"], abs=1e-5)
+    # Generating after the echo: the prompt's text, then the output's, ids apart.
+    echoed = smollm2_openai.completions.create(
+        model="smollm2-135m-instruct",
+        prompt="The capital of France is",
+        max_tokens=4,
+        temperature=0,
+        echo=True,
+        extra_body={"return_token_ids": True},
+    ).choices[0]
+    assert echoed.text.startswith("The capital of France is")
+    assert len(echoed.model_extra["token_ids"]) == 4

@@ -143,10 +143,8 @@ class Generation:
 
     def _prompt_logprobs_json(self) -> list[Any] | None:
         """The prompt's logprobs, from whichever of its choices the engine scored it with."""
-        for choice in self.job.choices:
-            if choice.prompt_logprobs is not None:
-                return prompt_logprobs_json(choice.prompt_ids, choice.prompt_logprobs)
-        return None
+        first = self.job.choices[0]
+        return prompt_logprobs_json(first.prompt_ids, self.job.prompt_logprobs(first))
 
     def _logprobs_json(self, choice: Choice, entries: Sequence[Any] | None) -> Any:
         if choice.logprobs is None:

@@ -12,7 +12,7 @@ from tokenwire.engine.base import EngineError
 from tokenwire.pipeline.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from tokenwire.engine.base import Engine
+    from tokenwire.engine.base import Engine, TokenLogprob
     from tokenwire.pipeline.choice import Choice, ChoiceDelta
 
 T = TypeVar("T")
@@ -57,6 +57,14 @@ class GenerationJob:
     def cached_tokens(self) -> int:
         """Prompt tokens served from a prefix cache, counted once per prompt."""
         return sum(c.num_cached_tokens for c in self.choices if c.sample == 0)
+
+    def prompt_logprobs(self, choice: Choice) -> list[TokenLogprob | None] | None:
+        """The logprobs of ``choice``'s prompt, from whichever of its choices the engine scored
+        it with (an engine scores a prompt shared by several choices once)."""
+        for other in self.choices:
+            if other.prompt_index == choice.prompt_index and other.prompt_logprobs is not None:
+                return other.prompt_logprobs
+        return None
 
     async def _run(self, choice: Choice) -> AsyncIterator[ChoiceDelta]:
         """One choice's deltas; closing it aborts the engine request."""

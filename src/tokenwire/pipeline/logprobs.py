@@ -12,6 +12,8 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import orjson
+
 from tokenwire.engine.base import TokenLogprob
 from tokenwire.text.token_text import LogprobInput, json_logprob
 
@@ -91,3 +93,48 @@ def engine_logprob_columns(entries: Sequence[TokenLogprob], width: int) -> Logpr
         top_ids=[[token_id for token_id, _, _ in row] for row in rows],
         top_logprobs=[[logprob for _, logprob, _ in row] for row in rows],
     )
+
+
+def _token_id_string(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def token_id_chat_logprobs(entries: Sequence[TokenLogprob], width: int) -> bytes:
+    """Chat logprobs with ``"token_id:N"`` tokens (vLLM's ``return_tokens_as_token_ids``):
+    ``bytes`` are the placeholder's own, as vLLM gives them."""
+
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        token = _token_id_string(token_id)
+        return {"token": token, "logprob": json_logprob(logprob), "bytes": list(token.encode())}
+
+    content = [
+        {
+            **item(entry.token_id, entry.logprob),
+            "top_logprobs": [item(i, lp) for i, lp, _ in alternatives(entry, width)],
+        }
+        for entry in entries
+    ]
+    return orjson.dumps({"content": content})
+
+
+def token_id_completion_logprobs(
+    token_ids: Sequence[int],
+    entries: Sequence[TokenLogprob | None],
+    width: int,
+    text_offset: int,
+) -> dict[str, Any]:
+    """The completions logprobs shape with ``"token_id:N"`` tokens; a None entry (an echoed
+    prompt's first token) has null logprobs, as vLLM's echo gives it."""
+    tokens = [_token_id_string(token_id) for token_id in token_ids]
+    offsets = list(itertools.accumulate(map(len, tokens), initial=text_offset))[:-1]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [json_logprob(e.logprob) if e else None for e in entries],
+        "top_logprobs": [
+            {_token_id_string(i): json_logprob(lp) for i, lp, _ in alternatives(e, width)}
+            if e
+            else None
+            for e in entries
+        ],
+        "text_offset": offsets,
+    }

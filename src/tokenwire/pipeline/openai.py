@@ -8,17 +8,25 @@ tokens and text. Each choice's decoder is the one its job made: text is decoded 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
+from tokenwire.engine.base import TokenLogprob
 from tokenwire.pipeline.choice import Choice
-from tokenwire.pipeline.context import Pipeline
+from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.decoder import PLAIN, ChoiceDecoder, ChoiceStep, Parsing
 from tokenwire.pipeline.derender import logprobs_fragment, message_json
 from tokenwire.pipeline.generate import start_job
 from tokenwire.pipeline.jobs import GenerationJob
-from tokenwire.pipeline.logprobs import engine_logprob_columns
+from tokenwire.pipeline.logprobs import (
+    engine_logprob_columns,
+    prompt_logprobs_json,
+    token_id_chat_logprobs,
+    token_id_completion_logprobs,
+)
 from tokenwire.pipeline.parsing import chat_parsing
 from tokenwire.pipeline.render import (
     chat_prompt,
@@ -28,28 +36,50 @@ from tokenwire.pipeline.render import (
 from tokenwire.pipeline.response_json import completion_json, usage_json
 from tokenwire.pipeline.stream_derender import chat_chunk_choice
 from tokenwire.protocol.generate import StreamOptions
-from tokenwire.protocol.openai import ChatCompletionRequest, CompletionRequest
+from tokenwire.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
+from tokenwire.text.logprob_json import completion_logprobs_from
+from tokenwire.text.token_table import DecodeContext
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerOptions:
+    """What an OpenAI request asks to see beyond text (vLLM's extensions)."""
+
+    num_logprobs: int | None  # alternatives per token; None: no logprobs
+    return_token_ids: bool = False
+    token_id_strings: bool = False  # logprob tokens as "token_id:N"
+    prompt_logprobs: bool = False
+    # Completions with ``echo``: each prompt's text, put before its choices' text.
+    echoed_prompts: list[str] | None = None
+
+    @classmethod
+    def of(cls, body: SamplingFields, num_logprobs: int | None) -> AnswerOptions:
+        return cls(
+            num_logprobs=num_logprobs,
+            return_token_ids=body.return_token_ids,
+            token_id_strings=body.return_tokens_as_token_ids,
+            prompt_logprobs=body.requested_prompt_logprobs is not None,
+        )
 
 
 class CompletionRun:
-    """The job of one OpenAI request and how to turn its choices into the response's.
-
-    ``num_logprobs``: alternatives per token, None when the request wants no logprobs.
-    """
+    """The job of one OpenAI request and how to turn its choices into the response's."""
 
     def __init__(
         self,
         pipeline: Pipeline,
+        runtime: ModelRuntime,
         job: GenerationJob,
         *,
         kind: str,
-        num_logprobs: int | None,
+        answer: AnswerOptions,
         stream_options: StreamOptions | None,
     ) -> None:
         self.pipeline = pipeline
+        self.runtime = runtime
         self.job = job
         self.kind = kind
-        self.num_logprobs = num_logprobs
+        self.answer = answer
         self.stream_options = stream_options
         self.created = int(time.time())
 
@@ -62,24 +92,36 @@ class CompletionRun:
         choice: Choice,
         token_ids: list[int],
         text: str | None,
-        entries: list[Any] | None,
+        entries: list[TokenLogprob] | None,
         finish_reason: str | None,
         *,
         final: bool,
     ) -> ChoiceStep:
         decoder: ChoiceDecoder | None = choice.decoder
         assert decoder is not None and text is not None, "OpenAI jobs decode every choice"
-        logprobs = None
-        if self.num_logprobs is not None:
-            logprobs = engine_logprob_columns(entries or [], self.num_logprobs)
-        return decoder.render(
+        width = self.answer.num_logprobs
+        placeholders = width is not None and self.answer.token_id_strings
+        offset = decoder.state.text_offset
+        step = decoder.render(
             token_ids,
             text,
             finish_reason,
-            logprobs=logprobs,
+            logprobs=None
+            if width is None or placeholders
+            else engine_logprob_columns(entries or [], width),
             completion_logprobs=not self.is_chat,
             final=final or None,
         )
+        if not placeholders:
+            return step
+        assert width is not None
+        logprobs: bytes | dict[str, Any]
+        if self.is_chat:
+            logprobs = token_id_chat_logprobs(entries or [], width)
+        else:
+            logprobs = token_id_completion_logprobs(token_ids, entries or [], width, offset)
+            decoder.state.text_offset += sum(map(len, logprobs["tokens"]))
+        return dataclasses.replace(step, logprobs=logprobs)
 
     async def response(self) -> dict[str, Any]:
         job = self.job
@@ -87,7 +129,7 @@ class CompletionRun:
             choices = await job.run()
         finally:
             self.pipeline.jobs.remove(job)
-        return completion_json(
+        result = completion_json(
             response_id=job.request_id,
             kind=self.kind,
             created=self.created,
@@ -97,6 +139,9 @@ class CompletionRun:
             completion_tokens=job.completion_tokens,
             cached_tokens=job.cached_tokens,
         )
+        if self.is_chat:
+            result.update(self._chat_prompt_fields())
+        return result
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         """One chunk per choice delta, an optional usage chunk; the job ends with the stream."""
@@ -107,18 +152,34 @@ class CompletionRun:
             "created": self.created,
             "model": self.pipeline.config.served_name,
         }
+        started: set[int] = set()
         try:
             async with contextlib.aclosing(job.deltas()) as deltas:
                 async for delta in deltas:
+                    choice = delta.choice
+                    first = choice.index not in started
+                    started.add(choice.index)
+                    echo = self._echo(choice) if first else None
                     step = self._step(
-                        delta.choice,
+                        choice,
                         delta.token_ids,
                         delta.text,
                         delta.logprobs,
                         delta.finish_reason,
                         final=False,
                     )
-                    yield {**header, "choices": [self._chunk_choice_json(delta.index, step)]}
+                    if self.is_chat:
+                        chunk_choice = chat_chunk_choice(delta.index, step)
+                        if self.answer.return_token_ids:
+                            chunk_choice["token_ids"] = delta.token_ids
+                    else:
+                        chunk_choice = self._text_choice_json(
+                            choice, step, echo, delta.token_ids, first=first
+                        )
+                    chunk = {**header, "choices": [chunk_choice]}
+                    if self.is_chat and len(started) == 1 and first:
+                        chunk.update(self._chat_prompt_fields())  # the stream's first chunk
+                    yield chunk
         finally:
             self.pipeline.jobs.remove(job)
         options = self.stream_options
@@ -126,7 +187,20 @@ class CompletionRun:
             usage = usage_json(job.prompt_tokens, job.completion_tokens, job.cached_tokens)
             yield {**header, "choices": [], "usage": usage}
 
+    def _chat_prompt_fields(self) -> dict[str, Any]:
+        """A chat answer's prompt fields (its first chunk's, streamed): one prompt."""
+        fields: dict[str, Any] = {}
+        if self.answer.return_token_ids:
+            fields["prompt_token_ids"] = self.job.choices[0].prompt_ids
+        if self.answer.prompt_logprobs:
+            fields["prompt_logprobs"] = self._prompt_logprobs_json(self.job.choices[0])
+        return fields
+
+    def _prompt_logprobs_json(self, choice: Choice) -> list[Any] | None:
+        return prompt_logprobs_json(choice.prompt_ids, self.job.prompt_logprobs(choice))
+
     def _whole_choice_json(self, choice: Choice) -> dict[str, Any]:
+        echo = self._echo(choice)
         step = self._step(
             choice,
             choice.token_ids,
@@ -136,27 +210,84 @@ class CompletionRun:
             final=True,
         )
         if self.is_chat:
-            return {
+            result = {
                 "index": choice.index,
                 "message": message_json(step),
                 "logprobs": logprobs_fragment(step),
                 "finish_reason": step.finish_reason,
             }
-        return self._text_choice_json(choice.index, step)
+            if self.answer.return_token_ids:
+                result["token_ids"] = choice.token_ids
+            return result
+        return self._text_choice_json(choice, step, echo, choice.token_ids, first=True)
 
-    def _chunk_choice_json(self, index: int, step: ChoiceStep) -> dict[str, Any]:
-        if self.is_chat:
-            return chat_chunk_choice(index, step)
-        return self._text_choice_json(index, step)
-
-    @staticmethod
-    def _text_choice_json(index: int, step: ChoiceStep) -> dict[str, Any]:
-        return {
-            "index": index,
-            "text": step.text,
-            "logprobs": step.logprobs,
+    def _text_choice_json(
+        self,
+        choice: Choice,
+        step: ChoiceStep,
+        echo: Echo | None,
+        token_ids: list[int],
+        *,
+        first: bool,
+    ) -> dict[str, Any]:
+        """A completion choice, or a chunk of one: its prompt fields go on its first chunk."""
+        text, logprobs = step.text, step.logprobs
+        if echo is not None:
+            text = echo.text + text
+            if isinstance(logprobs, dict) and echo.logprobs is not None:
+                logprobs = {key: echo.logprobs[key] + logprobs[key] for key in logprobs}
+        result: dict[str, Any] = {
+            "index": choice.index,
+            "text": text,
+            "logprobs": logprobs,
             "finish_reason": step.finish_reason,
         }
+        if self.answer.return_token_ids and first:
+            result["prompt_token_ids"] = choice.prompt_ids
+        if self.answer.prompt_logprobs and first:
+            result["prompt_logprobs"] = self._prompt_logprobs_json(choice)
+        if self.answer.return_token_ids:
+            result["token_ids"] = token_ids
+        return result
+
+    def _echo(self, choice: Choice) -> Echo | None:
+        """The echoed prompt of a completion choice: its text and, asked for, its logprobs (the
+        first token's null); the choice's own logprob offsets then start after it."""
+        prompts = self.answer.echoed_prompts
+        if prompts is None:
+            return None
+        text = prompts[choice.prompt_index]
+        width = self.answer.num_logprobs
+        if width is None:
+            return Echo(text, None)
+        entries = self.job.prompt_logprobs(choice) or [None] * len(choice.prompt_ids)
+        ids = choice.prompt_ids
+        if self.answer.token_id_strings:
+            logprobs = token_id_completion_logprobs(ids, entries, width, 0)
+        else:
+            scored = [
+                entry or TokenLogprob(token_id, 0.0, 1, ())
+                for token_id, entry in zip(ids, entries, strict=True)
+            ]
+            logprobs, _ = completion_logprobs_from(
+                self.runtime.decoder,
+                engine_logprob_columns(scored, width),
+                ids,
+                context=DecodeContext(),
+                final=False,
+            )
+            logprobs["token_logprobs"][0] = None
+            logprobs["top_logprobs"][0] = None
+        decoder = choice.decoder
+        assert decoder is not None
+        decoder.state.text_offset = sum(map(len, logprobs["tokens"]))
+        return Echo(text, logprobs)
+
+
+@dataclass(frozen=True, slots=True)
+class Echo:
+    text: str
+    logprobs: dict[str, Any] | None
 
 
 async def start_chat_completion(pipeline: Pipeline, body: ChatCompletionRequest) -> CompletionRun:
@@ -166,9 +297,10 @@ async def start_chat_completion(pipeline: Pipeline, body: ChatCompletionRequest)
     job = start_job(pipeline, runtime, prompt.request_id, [prompt.prompt], parsing=parsing)
     return CompletionRun(
         pipeline,
+        runtime,
         job,
         kind="chat.completion",
-        num_logprobs=body.num_logprobs,
+        answer=AnswerOptions.of(body, body.num_logprobs),
         stream_options=body.stream_options,
     )
 
@@ -177,10 +309,18 @@ async def start_completion(pipeline: Pipeline, body: CompletionRequest) -> Compl
     runtime = pipeline.ready(body.model)
     prompts = await completion_prompts(pipeline, runtime, body)
     job = start_job(pipeline, runtime, completion_request_id(body), prompts, parsing=PLAIN)
+    answer = AnswerOptions.of(body, body.logprobs)
+    if body.echo:
+        texts = [
+            text if isinstance(text, str) else runtime.tokenizer.decode(prompt.token_ids)
+            for text, prompt in zip(body.prompts, prompts, strict=True)
+        ]
+        answer = dataclasses.replace(answer, echoed_prompts=texts)
     return CompletionRun(
         pipeline,
+        runtime,
         job,
         kind="text_completion",
-        num_logprobs=body.logprobs,
+        answer=answer,
         stream_options=body.stream_options,
     )

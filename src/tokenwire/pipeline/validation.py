@@ -121,14 +121,18 @@ def request_prompt(
     param: str,
     media: MultiModalInput | None = None,
 ) -> ValidPrompt:
-    """A chat or completion request's prompt with the generate ``sampling_params`` it makes."""
-    max_tokens = check_prompt(runtime, token_ids, max_tokens, param=param)
+    """A chat or completion request's prompt with the generate ``sampling_params`` it makes.
+
+    ``max_tokens`` 0 (an echo of the prompt alone) runs one step whose token is dropped.
+    """
+    prompt_only = max_tokens == 0
+    max_tokens = check_prompt(runtime, token_ids, 1 if prompt_only else max_tokens, param=param)
     try:
         sampling = body.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from exc
     check_n(config, sampling.n)
-    return ValidPrompt(token_ids, sampling, media)
+    return ValidPrompt(token_ids, sampling, media, prompt_only)
 
 
 def logprob_columns(content: list[Any], token_ids: Sequence[int], where: str) -> LogprobInput:

@@ -53,6 +53,14 @@ class SamplingFields(RequestModel):
     priority: Int64 = 0
     request_id: str | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's: the prompt's and each choice's token ids in the answer, and logprob tokens as
+    # "token_id:N" instead of their text.
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+
+    @property
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     def sampling_params(self, *, max_tokens: int, logprobs: int | None) -> SamplingParamsModel:
         """The generate schema's sampling_params for this request."""
@@ -64,7 +72,7 @@ class SamplingFields(RequestModel):
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
-            "prompt_logprobs": self.prompt_logprobs,
+            "prompt_logprobs": self.requested_prompt_logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
@@ -115,6 +123,8 @@ Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
 class CompletionRequest(SamplingFields):
     prompt: Prompt
     logprobs: int | None = Field(default=None, ge=0)
+    # 0 only with ``echo``: the prompt and its logprobs, nothing generated (vLLM's).
+    max_tokens: NonNegativeInt64 | None = None
     echo: bool = False
     suffix: str | None = None
     add_special_tokens: bool = True
@@ -133,11 +143,23 @@ class CompletionRequest(SamplingFields):
             not self.prompt or any(isinstance(p, list) and not p for p in self.prompt)
         ):
             raise ValueError("prompt must not be empty")
-        if self.echo:
-            raise ValueError("echo is not supported by tokenwire")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo)")
         if self.suffix:
             raise ValueError("suffix is not supported by tokenwire")
         return self
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt back, nothing generated."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def requested_prompt_logprobs(self) -> int | None:
+        """Echoed logprobs include the prompt's, ``logprobs`` of them unless asked otherwise."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     @property
     def prompts(self) -> list[str | list[int]]:
