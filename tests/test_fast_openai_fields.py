@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tests.chat_fixtures import TOOLS
 from tests.fast_app import FastApp, sse_chunks
 
 EOS = 2
@@ -120,3 +121,38 @@ def test_max_tokens_zero_needs_echo(fast_smollm2: FastApp) -> None:
     response = fast_smollm2.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 0})
     assert response.status_code == 400
     assert "echo" in response.json()["error"]["message"]
+
+
+THINK_AND_CALL = (
+    "<think>\nThe user wants the weather.\n</think>\n\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+)
+IM_END = 151645
+
+
+def test_generate_output_modes(fast_qwen3: FastApp) -> None:
+    """vLLM 0.33's ``output_mode``: one generate call answers the text, or the message derender
+    would give (``parse_context``: the tools the prompt offered), streamed too."""
+    output = [*fast_qwen3.tokenize(THINK_AND_CALL), IM_END]
+    fast_qwen3.engine.script = lambda *_: output
+    body: dict[str, Any] = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 64}}
+    text = post(fast_qwen3, "/inference/v1/generate", {**body, "output_mode": "text"})
+    assert text["choices"][0]["text"] == THINK_AND_CALL  # eos is not text
+    derender_body = {**body, "output_mode": "derender", "parse_context": {"tools": TOOLS}}
+    whole = post(fast_qwen3, "/inference/v1/generate", derender_body)["choices"][0]
+    message = whole["message"]
+    assert message["reasoning_content"] == "\nThe user wants the weather.\n"
+    (call,) = message["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert whole["token_ids"] == output
+    chunks = sse_chunks(
+        fast_qwen3.client, "/inference/v1/generate", {**derender_body, "stream": True}
+    )
+    deltas = [choice["delta"] for c in chunks for choice in c["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == message["reasoning_content"]
+    assert sum(len(d.get("tool_calls") or []) for d in deltas) == 1
+    # Without tools in the context, no call is parsed; tokens mode adds nothing.
+    plain = post(fast_qwen3, "/inference/v1/generate", {**body, "output_mode": "derender"})
+    assert "tool_calls" not in plain["choices"][0]["message"]
+    ids_only = post(fast_qwen3, "/inference/v1/generate", body)["choices"][0]
+    assert "text" not in ids_only and "message" not in ids_only

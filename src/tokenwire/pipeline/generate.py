@@ -11,9 +11,11 @@ from tokenwire.engine.base import SamplingParams
 from tokenwire.pipeline.choice import Choice, ChoiceDelta, ChoiceRequest, engine_request_id
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.control import admit
-from tokenwire.pipeline.decoder import PLAIN, ChoiceDecoder, DecodeOptions, Parsing
+from tokenwire.pipeline.decoder import PLAIN, ChoiceDecoder, ChoiceStep, DecodeOptions, Parsing
+from tokenwire.pipeline.derender import message_json
 from tokenwire.pipeline.jobs import GenerationJob
 from tokenwire.pipeline.logprobs import prompt_logprobs_json, token_logprobs_json
+from tokenwire.pipeline.parsing import chat_parsing
 from tokenwire.pipeline.response_json import usage_json
 from tokenwire.pipeline.validation import ValidPrompt, valid_prompt
 from tokenwire.protocol.generate import GenerateRequest, SamplingParamsModel
@@ -160,12 +162,18 @@ class Generation:
             "finish_reason": delta.finish_reason,
             "stop_reason": delta.stop_reason,
         }
+        mode = self.body.output_mode
+        if mode == "text":
+            result["text"] = delta.text
+        elif mode == "derender":
+            step = self._render(choice, delta.token_ids, delta.text, delta.finish_reason, False)
+            result["delta"] = step.message.to_json()
         if delta.finish_reason is not None:
             result["weight_versions"] = choice.weight_versions.spans
         return result
 
     def _choice_json(self, choice: Choice) -> dict[str, Any]:
-        return {
+        result: dict[str, Any] = {
             "index": choice.index,
             "token_ids": choice.token_ids,
             "logprobs": self._logprobs_json(choice, choice.logprobs),
@@ -173,6 +181,21 @@ class Generation:
             "stop_reason": choice.stop_reason,
             "weight_versions": choice.weight_versions.spans,
         }
+        mode = self.body.output_mode
+        if mode == "text":
+            result["text"] = choice.text
+        elif mode == "derender":
+            step = self._render(choice, choice.token_ids, choice.text, choice.finish_reason, True)
+            result["message"] = message_json(step)
+        return result
+
+    @staticmethod
+    def _render(
+        choice: Choice, token_ids: list[int], text: str | None, finish: str | None, final: bool
+    ) -> ChoiceStep:
+        """The derender view of ids the choice's decoder has cut: reasoning and tool calls."""
+        assert choice.decoder is not None and text is not None, "derender mode decodes text"
+        return choice.decoder.render(token_ids, text, finish, final=final or None)
 
 
 async def start_generation(
@@ -199,5 +222,10 @@ async def start_generation(
         param="token_ids",
         media=media,
     )
-    job = start_job(pipeline, runtime, request_id, [checked])
+    parsing: Parsing | None = None
+    if body.output_mode == "text":
+        parsing = PLAIN
+    elif body.output_mode == "derender":
+        parsing = await chat_parsing(pipeline, runtime, body.parse_context, prompt_ids)
+    job = start_job(pipeline, runtime, request_id, [checked], parsing=parsing)
     return Generation(pipeline, job, body)

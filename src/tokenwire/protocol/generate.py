@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from tokenwire.protocol.chat import Tool
 from tokenwire.protocol.common import (
     Int64,
     MinP,
@@ -167,6 +168,14 @@ class ContentPart(RequestModel):
         return self
 
 
+class ParseContext(RequestModel):
+    """What decides how ``output_mode: "derender"`` parses a choice: the tools offered and the
+    tool choice, as the chat request that rendered the prompt had them."""
+
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+
+
 class GenerateRequest(RequestModel):
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex, max_length=256)
     token_ids: list[TokenId] = Field(min_length=1)
@@ -179,6 +188,10 @@ class GenerateRequest(RequestModel):
     cache_salt: str | None = None
     priority: Int64 = 0
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM 0.33: "tokens" (ids only), "text" (and each choice's text), "derender" (and each
+    # choice's message: content, reasoning, tool calls, as derender gives them).
+    output_mode: Literal["tokens", "text", "derender"] = "tokens"
+    parse_context: ParseContext | None = None
 
     @model_validator(mode="after")
     def _media_one_way(self) -> GenerateRequest:

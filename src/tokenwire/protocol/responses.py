@@ -38,6 +38,11 @@ class GenerateChoice(BaseModel):
     finish_reason: str | None
     stop_reason: int | str | None = None
     weight_versions: list[WeightVersionSpan] | None = None
+    # output_mode "text": the choice's text (a chunk's: what it adds); "derender": its
+    # assistant message (streamed: ``delta``, what the chunk adds to it).
+    text: str | None = None
+    message: JsonObject | None = None
+    delta: JsonObject | None = None
 
 
 class GenerateResponse(BaseModel):
@@ -75,6 +80,10 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: JsonObject | None = None
     finish_reason: str | None
+    token_ids: list[int] | None = None  # with return_token_ids
+
+
+PromptLogprobs = list[dict[str, JsonObject] | None]
 
 
 class ChatCompletionResponse(BaseModel):
@@ -84,6 +93,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -91,6 +102,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: JsonObject | None = None
     finish_reason: str | None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -100,6 +112,9 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    # The stream's first chunk, with return_token_ids / prompt_logprobs.
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionChoice(BaseModel):
@@ -107,6 +122,10 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: JsonObject | None = None
     finish_reason: str | None
+    # With return_token_ids / prompt_logprobs (streamed: the prompt's on a choice's first chunk).
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
