@@ -33,7 +33,11 @@ def test_a_batch_is_answered_in_order(smollm2: httpx.Client, prompt_ids: list[in
         generate(smollm2, {"input_ids": ids, "sampling_params": GREEDY})
         for ids in (prompt_ids, other)
     ]
-    batch = generate(smollm2, {"input_ids": [prompt_ids, other], "sampling_params": GREEDY})
+    # cache_salt (one per prompt, as SGLang takes it) is accepted.
+    batch = generate(
+        smollm2,
+        {"input_ids": [prompt_ids, other], "sampling_params": GREEDY, "cache_salt": ["a", "b"]},
+    )
     assert isinstance(batch, list) and len(batch) == 2
     assert [r["output_ids"] for r in batch] == [r["output_ids"] for r in alone]
     assert [r["meta_info"]["prompt_tokens"] for r in batch] == [len(prompt_ids), len(other)]

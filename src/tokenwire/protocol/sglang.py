@@ -58,6 +58,8 @@ class SGLangGenerateRequest(RequestModel):
     logprob_start_len: Int64 = -1
     rid: str | list[str] | None = None
     stream: bool = False
+    # Accepted as on generate: the hf engine's prefix cache is not partitioned by it (docs/api.md).
+    cache_salt: str | list[str] | None = None
 
     @model_validator(mode="after")
     def _prompts(self) -> SGLangGenerateRequest:
