@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from tokenwire.engine.base import EngineError
@@ -66,7 +66,7 @@ class GenerationJob:
                 return other.prompt_logprobs
         return None
 
-    async def _run(self, choice: Choice) -> AsyncIterator[ChoiceDelta]:
+    async def _run(self, choice: Choice) -> AsyncGenerator[ChoiceDelta, None]:
         """One choice's deltas; closing it aborts the engine request."""
         request = choice.request
         stream = self.engine.generate(
@@ -116,39 +116,50 @@ class JobRegistry:
         return len(self._jobs)
 
 
-async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:
     """Items of several streams as they come, tagged with the stream's index.
 
-    A stream is asked for its next item only once its previous one was taken, so whatever a
-    stream updates while making an item (a choice's state) is as the consumer of that item
-    left it. The first error of any stream ends the merge and is raised; leaving early (or an
-    error) cancels and closes every stream still open (which aborts its engine requests).
+    A stream makes its next item only once its previous one was taken, so whatever a stream
+    updates while making an item (a choice's state) is as the consumer of that item left it.
+    The first error of any stream ends the merge and is raised; leaving early (or an error)
+    cancels every stream still running, which closes them (and aborts their engine requests).
     """
-    pending: dict[asyncio.Future[T], int] = {}
+    if len(streams) == 1:  # most requests: nothing to merge
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for item in stream:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, T] | BaseException | None] = asyncio.Queue()
+    taken = [asyncio.Event() for _ in streams]
 
-    def ask(index: int) -> None:
-        pending[asyncio.ensure_future(anext(streams[index]))] = index
+    async def pump(index: int, stream: AsyncGenerator[T, None]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item))
+                await taken[index].wait()
+                taken[index].clear()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await queue.put(exc)
+        finally:
+            await queue.put(None)
 
-    for index in range(len(streams)):
-        ask(index)
+    tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
+    remaining = len(tasks)
     try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for future in sorted(done, key=pending.__getitem__):
-                index = pending.pop(future)
-                try:
-                    item = future.result()
-                except StopAsyncIteration:
-                    continue
-                yield index, item
-                ask(index)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+                taken[item[0]].set()
     finally:
-        for future in pending:
-            future.cancel()
-        for future in pending:  # the first error is raised already; the rest end quietly
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await future
-        for stream in streams:
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                await aclose()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
