@@ -160,3 +160,15 @@ def sse_chunks(client: TestClient, path: str, body: dict[str, Any]) -> list[dict
     frames = raw.split("\n\n")[:-2]
     assert all(frame.startswith("data: ") for frame in frames)
     return [orjson.loads(frame.removeprefix("data: ")) for frame in frames]
+
+
+def fast_client(app_fixture: str, name: str) -> Any:
+    """A fixture ``name`` that is ``app_fixture``'s client: a module that needs no model forward
+    serves the server fixture it names from the same server's app over the fake engine, which
+    makes its tests part of ``make test-fast``."""
+
+    @pytest.fixture(scope="session", name=name)
+    def client(request: pytest.FixtureRequest) -> TestClient:
+        return request.getfixturevalue(app_fixture).client
+
+    return client

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tests.chat_fixtures import TOOLS
 from tests.conftest import assert_error
-from tests.fast_app import FastApp
+from tests.fast_app import fast_client
 
 IM_END = 151645
 THINK_AND_CALL = (
@@ -27,11 +27,8 @@ CHAT_REQUEST = {
 }
 
 
-# Nothing here runs the model: the test server's own app over a fake engine, in process
-# (``tests.fast_app``), which makes these tests part of ``make test-fast``.
-@pytest.fixture(scope="session")
-def qwen3(fast_qwen3_app: FastApp) -> httpx.Client:
-    return fast_qwen3_app.client
+# Nothing here runs the model (see ``tests.fast_app.fast_client``).
+qwen3 = fast_client("fast_qwen3_app", "qwen3")
 
 
 def ids_of(client: httpx.Client, text: str) -> list[int]:

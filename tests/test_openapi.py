@@ -6,17 +6,14 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.fast_app import FastApp
+from tests.fast_app import fast_client
 
 STREAMING = ["/inference/v1/generate", "/v1/chat/completions", "/v1/completions", "/generate"]
 ERROR_BODY = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
 
 
-# The document is the app's: the test server's own app over a fake engine, in process
-# (``tests.fast_app``), which makes these tests part of ``make test-fast``.
-@pytest.fixture(scope="session")
-def qwen3(fast_qwen3_app: FastApp) -> httpx.Client:
-    return fast_qwen3_app.client
+# Nothing here runs the model (see ``tests.fast_app.fast_client``).
+qwen3 = fast_client("fast_qwen3_app", "qwen3")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import Server, assert_error
-from tests.fast_app import FastApp
+from tests.fast_app import fast_client
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 ECHO = "{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -40,11 +40,10 @@ HOSTILE = {
 }
 
 
-# The tests that need no socket run on the test server's own app over a fake engine, in process
-# (``tests.fast_app``); the ones that time out a client or race many stay on the real server.
-@pytest.fixture(scope="session")
-def qwen3(fast_qwen3_app: FastApp) -> httpx.Client:
-    return fast_qwen3_app.client
+# The tests that need no socket run on the test server's own app over a fake engine (see
+# ``tests.fast_app.fast_client``); the ones that time out a client or race many stay on the
+# real server.
+qwen3 = fast_client("fast_qwen3_app", "qwen3")
 
 
 def tokenize(

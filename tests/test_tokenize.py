@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from tests.chat_fixtures import CONVERSATIONS, TOOLS, with_string_arguments
 from tests.conftest import Server, assert_error
-from tests.fast_app import FastApp
+from tests.fast_app import fast_client
 from tokenwire.assets.qwen_tokenizer import load_reference_cases
 
 TEMPLATES = [
@@ -26,16 +26,9 @@ TEMPLATES = [
 FLAG_PAIRS = [(True, False), (False, False), (False, True)]
 
 
-# Nothing here runs the model: the test server's own app over a fake engine, in process
-# (``tests.fast_app``), which makes these tests part of ``make test-fast``.
-@pytest.fixture(scope="session")
-def qwen3(fast_qwen3_app: FastApp) -> httpx.Client:
-    return fast_qwen3_app.client
-
-
-@pytest.fixture(scope="session")
-def smollm2(fast_smollm2_app: FastApp) -> httpx.Client:
-    return fast_smollm2_app.client
+# Nothing here runs the model (see ``tests.fast_app.fast_client``).
+qwen3 = fast_client("fast_qwen3_app", "qwen3")
+smollm2 = fast_client("fast_smollm2_app", "smollm2")
 
 
 def hf_chat_ids(
