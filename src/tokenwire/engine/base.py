@@ -20,6 +20,8 @@ FinishReason = Literal["stop", "length", "abort"]
 # partial tokens, "wait" lets them finish, "keep" freezes them until resume.
 PauseMode = Literal["abort", "wait", "keep"]
 DEFAULT_WEIGHT_VERSION = "default"
+# Below this temperature a request samples greedily (vLLM's _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
 # Request features an engine may lack; the pipeline refuses a request that needs one its engine
 # does not list in ``Engine.features`` (a 400 naming the field) before the engine sees it.
 EngineFeature = Literal["prompt_token_id_logprobs", "logprob_token_ids", "sampling_mask"]

@@ -58,6 +58,8 @@ class SGLangGenerateRequest(RequestModel):
     logprob_start_len: Int64 = -1
     rid: str | list[str] | None = None
     stream: bool = False
+    # Each output token's sampling support in ``meta_info`` (SGLang's).
+    return_sampling_mask: bool = False
 
     @model_validator(mode="after")
     def _prompts(self) -> SGLangGenerateRequest:

@@ -23,11 +23,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenwire.engine.base import SamplingParams, SamplingSupport, TokenLogprob
+from tokenwire.engine.base import (
+    GREEDY_TEMPERATURE,
+    SamplingParams,
+    SamplingSupport,
+    TokenLogprob,
+)
 
 # Candidate-set sizes tried in turn before a full sort (the first covers nearly every row).
 CANDIDATE_TIERS = (256, 2048)
-_GREEDY_EPS = 1e-5
 
 
 @dataclass(slots=True)
@@ -71,7 +75,7 @@ class RowSampler:
 
     @property
     def greedy(self) -> bool:
-        return self.params.temperature < _GREEDY_EPS
+        return self.params.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_processing(self) -> bool:
