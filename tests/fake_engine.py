@@ -2,7 +2,8 @@
 
 A test says which tokens each engine request samples (a *script*: a function of the request id,
 the prompt ids and the sampling params); the fake reports them the way the real engines do:
-one output per scripted step, logprobs clipped to the request's k, the stop rule of the hf
+one output per scripted step, logprobs clipped to the request's k (or the given
+``logprob_token_ids``), teacher scores and sampling supports when asked, the stop rule of the hf
 engine (eos -> "stop" with stop_reason None, a ``stop_token_ids`` hit -> that id, max_tokens or
 the context -> "length"), the weight version current when each output is made, aborts that end
 the stream with "abort" and the tokens so far, and vLLM's three pause modes.
@@ -18,21 +19,26 @@ ids, and how it names them is its own business.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from tokenwire.engine.base import (
     DEFAULT_WEIGHT_VERSION,
     EngineError,
+    EngineFeature,
     EngineOutput,
     EngineStats,
     FinishReason,
     MultiModalInput,
     PauseMode,
     SamplingParams,
+    SamplingSupport,
     TokenLogprob,
     WeightsError,
 )
@@ -43,6 +49,10 @@ from tokenwire.engine.stopping import check_stop
 _POLL_S = 0.002
 # The hf engine's cap on the context when the config allows more.
 _MAX_MODEL_LEN_CAP = 8192
+# What the fake serves unless a test takes some away (as the vllm engine lacks them).
+ALL_FEATURES: frozenset[EngineFeature] = frozenset(
+    {"prompt_token_id_logprobs", "logprob_token_ids", "sampling_mask"}
+)
 # Ids of the made-up alternatives around a scripted token (see ``Step.top``).
 _FILLER_IDS = range(1000, 1100)
 _MADE_UP_TOP = 20
@@ -74,17 +84,34 @@ class Gate:
 @dataclass(frozen=True, slots=True)
 class Step:
     """One sampled token. ``top``: the most likely tokens at its position, best first (None:
-    made up, with the sampled token at ``rank``); the engine reports the first k of them."""
+    made up, with the sampled token at ``rank``); the engine reports the first k of them.
+    ``support``: the ids it was drawn from, reported when a request asks for sampling masks
+    (None: made up, the sampled token and top_k - 1 fillers, or the token alone)."""
 
     token_id: int
     logprob: float = -0.5
     rank: int = 1
     top: tuple[tuple[int, float], ...] | None = None
     gate: Gate | None = None
+    support: tuple[int, ...] | None = None
 
     def token_logprob(self, k: int) -> TokenLogprob:
         top = self.top if self.top is not None else _made_up_top(self)
         return TokenLogprob(self.token_id, self.logprob, self.rank, tuple(top[:k]))
+
+    def given_logprobs(self, given: tuple[int, ...]) -> TokenLogprob:
+        """``logprob_token_ids``: the given ids in their order, at made-up logprobs (the j-th
+        is ``logprob - 1 - j``)."""
+        top = tuple((token_id, self.logprob - 1.0 - j) for j, token_id in enumerate(given))
+        return TokenLogprob(self.token_id, self.logprob, self.rank, top)
+
+    def sampling_support(self, sampling: SamplingParams) -> SamplingSupport:
+        ids = self.support
+        if ids is None:
+            fillers = (i for i in _FILLER_IDS if i != self.token_id)
+            width = max(sampling.top_k, 1) if sampling.temperature > 0 else 1
+            ids = (self.token_id, *itertools.islice(fillers, width - 1))
+        return SamplingSupport(tuple(sorted(ids)), self.logprob)
 
 
 # One engine output: a token, a step, or several of them sent together.
@@ -102,6 +129,8 @@ class Reply:
     outputs: Iterable[Output]
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Teacher scoring (None: made up when asked, see ``_prompt_token_id_logprobs``).
+    prompt_token_id_logprobs: np.ndarray | None = None
 
 
 Script = Callable[[str, list[int], SamplingParams], Reply | Iterable[Output]]
@@ -143,6 +172,7 @@ class FakeEngine:
         self.eos_token_ids = eos_token_ids
         self.dtype = "torch.float32"
         self.logprobs_mode = "raw_logprobs"
+        self.features: frozenset[EngineFeature] = ALL_FEATURES
         self.script: Script = cycle_prompt
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self.calls: list[EngineCall] = []
@@ -226,6 +256,12 @@ class FakeEngine:
                         output.prompt_logprobs = _prompt_logprobs(
                             prompt, reply.prompt_logprobs, sampling.prompt_logprobs
                         )
+                    if sampling.prompt_logprob_token_ids is not None:
+                        output.prompt_token_id_logprobs = (
+                            reply.prompt_token_id_logprobs
+                            if reply.prompt_token_id_logprobs is not None
+                            else _prompt_token_id_logprobs(sampling.prompt_logprob_token_ids)
+                        )
                 call.finish_reason = output.finish_reason
                 yield output
                 if output.finish_reason is not None:
@@ -289,6 +325,7 @@ class FakeEngine:
     def reset(self) -> None:
         """Back to a fresh engine's state (the previous test's requests have ended)."""
         self.script = cycle_prompt
+        self.features = ALL_FEATURES
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self.calls.clear()
         self.loaded_weights.clear()
@@ -316,7 +353,10 @@ class FakeEngine:
             if finish is not None:
                 break
         logprobs = None
-        if sampling.logprobs is not None:
+        given = sampling.logprob_token_ids
+        if given is not None:
+            logprobs = [s.given_logprobs(given) for s in taken]
+        elif sampling.logprobs is not None:
             logprobs = [s.token_logprob(sampling.logprobs) for s in taken]
         return EngineOutput(
             new_token_ids=[s.token_id for s in taken],
@@ -324,6 +364,9 @@ class FakeEngine:
             finish_reason=finish,
             stop_reason=stop_reason,
             weight_version=self.weight_version,
+            sampling_masks=(
+                [s.sampling_support(sampling) for s in taken] if sampling.sampling_mask else None
+            ),
         )
 
     def _finish(self, call: EngineCall, token: int) -> tuple[FinishReason | None, int | None]:
@@ -353,6 +396,13 @@ def _made_up_top(step: Step) -> list[tuple[int, float]]:
         )
         for rank in range(1, max(_MADE_UP_TOP, step.rank) + 1)
     ]
+
+
+def _prompt_token_id_logprobs(rows: tuple[tuple[int, ...], ...]) -> np.ndarray:
+    """Made-up teacher scores: row i, column j is -(i + 1) - j / 10; padding (-1) is -inf."""
+    ids = np.array(rows)
+    made_up = -(np.arange(len(rows))[:, None] + 1.0) - np.arange(ids.shape[1])[None, :] / 10
+    return np.where(ids < 0, -np.inf, made_up).astype(np.float32)
 
 
 def _prompt_logprobs(

@@ -22,6 +22,7 @@ from tokenwire.engine.base import (
     ImageInput,
     MultiModalInput,
     SamplingParams,
+    SamplingSupport,
     TokenLogprob,
 )
 from tokenwire.engine.hf import HFEngine
@@ -561,6 +562,80 @@ def test_candidate_sampling_matches_exact_path(seed: int) -> None:
             # Float rounding may move a draw that sits on a boundary to the neighbouring token.
             position = int((torch.sort(scaled, descending=True).indices == got[j]).nonzero())
             assert abs(position - _sorted_pick(scaled, sp, draws[j])) <= 1, (sp, trial)
+
+
+@pytest.mark.hf_only
+def test_sampling_supports_are_what_each_row_drew_from() -> None:
+    """``sampling_mask`` rows report the ids left after top-k / top-p / min-p (the sampled one
+    among them) and its logprob over them; other rows report nothing and sample the same ids."""
+    gen = torch.Generator().manual_seed(7)
+    vocab = 5000
+    logits = torch.randn(6, vocab, generator=gen) * 4.0
+    logits[5, 10] = 60.0  # one token holds all but ~1e-20 of the mass: top_p 1 still keeps 5
+    mix = [
+        SamplingParams(max_tokens=1, temperature=1.0, top_k=5),
+        SamplingParams(max_tokens=1, temperature=0.8, top_k=50, top_p=0.7),
+        SamplingParams(max_tokens=1, temperature=1.0, top_k=300, min_p=0.05),
+        SamplingParams(max_tokens=1, temperature=0.0, top_k=5),  # greedy: the argmax alone
+        SamplingParams(max_tokens=1, temperature=1.0, top_k=2048, top_p=0.9),
+        SamplingParams(max_tokens=1, temperature=1.0, top_k=5),
+    ]
+
+    def rows(mask: bool) -> list[RowSampler]:
+        return [
+            RowSampler.create(
+                dataclasses.replace(sp, seed=j, sampling_mask=mask),
+                [1],
+                (),
+                vocab,
+                torch.device("cpu"),
+            )
+            for j, sp in enumerate(mix)
+        ]
+
+    plain, masked = sample(logits, rows(False)), sample(logits, rows(True))
+    assert plain.token_ids == masked.token_ids and plain.supports == [None] * len(mix)
+    for j, (sp, token, support) in enumerate(
+        zip(mix, masked.token_ids, masked.supports, strict=True)
+    ):
+        assert support is not None and token in support.token_ids
+        assert list(support.token_ids) == sorted(support.token_ids)
+        if sp.temperature == 0:
+            assert support == SamplingSupport((token,), 0.0)
+            continue
+        probs = torch.softmax(logits[j].double() / sp.temperature, dim=-1)
+        order = torch.argsort(probs, descending=True)
+        keep = torch.zeros(vocab, dtype=torch.bool)
+        keep[order[: sp.top_k]] = True
+        keep &= probs >= sp.min_p * probs.max()
+        mass = probs * keep
+        before = mass[order].cumsum(0) - mass[order]
+        if sp.top_p < 1.0:
+            keep[order[before / mass.sum() >= sp.top_p]] = False
+        assert set(support.token_ids) == set(keep.nonzero().flatten().tolist()), sp
+        expected = math.log(probs[token] / probs[keep].sum())
+        assert abs(support.logprob - expected) < 1e-6, sp
+    assert len(masked.supports[0].token_ids) == len(masked.supports[5].token_ids) == 5
+
+
+@pytest.mark.hf_only
+def test_logprob_token_ids_take_the_place_of_the_top_k() -> None:
+    """vLLM's ``logprob_token_ids``: the given ids' logprobs, in their order, at every step."""
+    logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(3))
+    given = (7, 250, 3)
+    params = [
+        SamplingParams(max_tokens=1, temperature=0.0, logprobs=3, logprob_token_ids=given),
+        SamplingParams(max_tokens=1, temperature=0.0, logprobs=2),
+    ]
+    rows = [RowSampler.create(p, [1], (), 300, torch.device("cpu")) for p in params]
+    result = sample(logits, rows)
+    reference = torch.log_softmax(logits, dim=-1)
+    scored, top = result.logprobs
+    assert scored is not None and top is not None
+    assert [i for i, _ in scored.top] == list(given)
+    for token_id, logprob in scored.top:
+        assert abs(logprob - reference[0, token_id].item()) < 1e-6
+    assert [i for i, _ in top.top] == torch.topk(reference[1], 2).indices.tolist()
 
 
 @pytest.mark.hf_only

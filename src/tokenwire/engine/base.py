@@ -13,11 +13,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+import numpy as np
+
 FinishReason = Literal["stop", "length", "abort"]
 # How a pause treats requests in flight (vLLM's names): "abort" ends them now with their
 # partial tokens, "wait" lets them finish, "keep" freezes them until resume.
 PauseMode = Literal["abort", "wait", "keep"]
 DEFAULT_WEIGHT_VERSION = "default"
+# Below this temperature a request samples greedily (vLLM's _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
+# Request features an engine may lack; the pipeline refuses a request that needs one its engine
+# does not list in ``Engine.features`` (a 400 naming the field) before the engine sees it.
+EngineFeature = Literal["prompt_token_id_logprobs", "logprob_token_ids", "sampling_mask"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +46,14 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token + top k
     prompt_logprobs: int | None = None
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    # Teacher scoring: row i holds the ids whose raw logprobs predict prompt token
+    # ``prompt_logprob_start + i + 1``; rows are padded to one width with -1 (scored -inf).
+    prompt_logprob_token_ids: tuple[tuple[int, ...], ...] | None = None
+    prompt_logprob_start: int = 0
+    # At each output position, the logprobs of these ids take the place of the top k.
+    logprob_token_ids: tuple[int, ...] | None = None
+    # Report each step's sampling support (``SamplingSupport``).
+    sampling_mask: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +67,15 @@ class TokenLogprob:
     logprob: float
     rank: int
     top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSupport:
+    """The ids one step sampled from: those left after top-k, top-p and min-p (the sampled
+    token alone for greedy), ascending, and the sampled token's logprob normalised over them."""
+
+    token_ids: tuple[int, ...]
+    logprob: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +117,11 @@ class EngineOutput:
     num_prompt_tokens: int = 0
     # Prompt tokens whose KV came from a prefix cache (first output; 0 for engines without one).
     num_cached_tokens: int = 0
+    # Teacher scoring, sent once with the first output: float32 [rows, ids], the logprob of
+    # ``prompt_logprob_token_ids[i][j]`` at row i (-inf for padding).
+    prompt_token_id_logprobs: np.ndarray | None = None
+    # One per new token when ``sampling_mask`` was asked.
+    sampling_masks: list[SamplingSupport] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +151,7 @@ class Engine(Protocol):
     # (``"torch.bfloat16"``), and the logprobs a request gets unless it asks for the other kind.
     dtype: str
     logprobs_mode: str
+    features: frozenset[EngineFeature]
 
     async def start(self) -> None: ...
 

@@ -15,11 +15,14 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from tokenwire.engine.base import (
     EngineOutput,
     FinishReason,
     MultiModalInput,
     SamplingParams,
+    SamplingSupport,
     TokenLogprob,
 )
 from tokenwire.engine.stopping import StopReason
@@ -72,6 +75,7 @@ class ChoiceDelta:
     choice: Choice
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
+    sampling_masks: list[SamplingSupport] | None
     # The visible text these ids add; None when nobody reads this choice's text.
     text: str | None
     finish_reason: FinishReason | None
@@ -105,9 +109,13 @@ class Choice:
         self.text_pieces: list[str] = []
         self.finish_reason: FinishReason | None = None
         self.stop_reason: StopReason = None
+        self.sampling_masks: list[SamplingSupport] | None = (
+            [] if request.sampling.sampling_mask else None
+        )
         self.weight_versions = WeightSpans()
         # Reported with the engine's first output.
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.prompt_token_id_logprobs: np.ndarray | None = None
         self.num_cached_tokens = 0
 
     @property
@@ -135,13 +143,16 @@ class Choice:
         """Take the engine's next output; the choice ends at a stop string its text completes."""
         if output.prompt_logprobs is not None:
             self.prompt_logprobs = output.prompt_logprobs
+        if output.prompt_token_id_logprobs is not None:
+            self.prompt_token_id_logprobs = output.prompt_token_id_logprobs
         if output.num_cached_tokens:
             self.num_cached_tokens = output.num_cached_tokens
         ids = output.new_token_ids
         logprobs = output.logprobs
+        masks = output.sampling_masks
         finish, stop_reason = output.finish_reason, output.stop_reason
         if self.request.prompt_only:
-            ids, logprobs = [], None
+            ids, logprobs, masks = [], None, None
             if finish is not None and finish != "abort":
                 finish, stop_reason = "length", None
         text: str | None = None
@@ -151,11 +162,14 @@ class Choice:
             if not had_stop and self.decoder.stop_string is not None:
                 ids, finish, stop_reason = ids[:kept], "stop", self.decoder.stop_string
                 logprobs = logprobs[:kept] if logprobs is not None else None
+                masks = masks[:kept] if masks is not None else None
             self.text_pieces.append(text)
         self.weight_versions.add(output.weight_version, len(self.token_ids), len(ids))
         self.token_ids.extend(ids)
         if self.logprobs is not None and logprobs:
             self.logprobs.extend(logprobs)
+        if self.sampling_masks is not None and masks:
+            self.sampling_masks.extend(masks)
         if finish is not None:
             self.finish_reason, self.stop_reason = finish, stop_reason
-        return ChoiceDelta(self, ids, logprobs, text, finish, stop_reason)
+        return ChoiceDelta(self, ids, logprobs, masks, text, finish, stop_reason)

@@ -7,14 +7,19 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from tokenwire.engine.base import SamplingParams
+from tokenwire.engine.base import SamplingParams, SamplingSupport
 from tokenwire.pipeline.choice import Choice, ChoiceDelta, ChoiceRequest, engine_request_id
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.control import admit
 from tokenwire.pipeline.decoder import PLAIN, ChoiceDecoder, ChoiceStep, DecodeOptions, Parsing
 from tokenwire.pipeline.derender import message_json
+from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.jobs import GenerationJob
-from tokenwire.pipeline.logprobs import prompt_logprobs_json, token_logprobs_json
+from tokenwire.pipeline.logprobs import (
+    prompt_logprobs_json,
+    prompt_token_id_logprobs_json,
+    token_logprobs_json,
+)
 from tokenwire.pipeline.parsing import chat_parsing
 from tokenwire.pipeline.response_json import usage_json
 from tokenwire.pipeline.validation import ValidPrompt, valid_prompt
@@ -43,7 +48,7 @@ def start_job(
             request = ChoiceRequest(
                 engine_request_id(request_id),
                 prompt.token_ids,
-                engine_sampling(params, sample),
+                engine_sampling(params, sample, sampling_mask=prompt.sampling_mask),
                 prompt.media,
                 prompt.prompt_only,
             )
@@ -62,7 +67,9 @@ def start_job(
     return job
 
 
-def engine_sampling(params: SamplingParamsModel, sample: int) -> SamplingParams:
+def engine_sampling(
+    params: SamplingParamsModel, sample: int, *, sampling_mask: bool = False
+) -> SamplingParams:
     """The engine's view of one choice; choice i > 0 of a seeded request uses seed + i."""
     assert params.max_tokens is not None, "validation resolves max_tokens"
     seed = params.seed if params.seed is None else params.seed + sample
@@ -83,7 +90,19 @@ def engine_sampling(params: SamplingParamsModel, sample: int) -> SamplingParams:
         logprobs=params.num_logprobs,
         prompt_logprobs=params.num_prompt_logprobs,
         logprobs_mode=mode,
+        prompt_logprob_token_ids=_padded_rows(params.prompt_logprob_token_ids),
+        prompt_logprob_start=params.prompt_logprob_start or 0,
+        logprob_token_ids=tuple(params.logprob_token_ids) if params.logprob_token_ids else None,
+        sampling_mask=sampling_mask,
     )
+
+
+def _padded_rows(rows: list[list[int]] | None) -> tuple[tuple[int, ...], ...] | None:
+    """Teacher-scoring rows padded to one width with -1 (scored -inf), as vLLM pads them."""
+    if rows is None:
+        return None
+    width = max(map(len, rows))
+    return tuple((*row, *[-1] * (width - len(row))) for row in rows)
 
 
 class Generation:
@@ -93,7 +112,10 @@ class Generation:
         self.pipeline = pipeline
         self.job = job
         self.body = body
-        self.num_top = body.sampling_params.num_logprobs or 0
+        params = body.sampling_params
+        self.num_top = params.num_logprobs or 0
+        if params.logprob_token_ids:  # the sampled token, then every given id
+            self.num_top = len(params.logprob_token_ids) + 1
 
     @property
     def request_id(self) -> str:
@@ -105,7 +127,7 @@ class Generation:
             choices = await job.run()
         finally:
             self.pipeline.jobs.remove(job)
-        return {
+        result = {
             "request_id": job.request_id,
             "model": self.pipeline.config.served_name,
             "created": int(time.time()),
@@ -113,6 +135,10 @@ class Generation:
             "choices": [self._choice_json(choice) for choice in choices],
             "prompt_logprobs": self._prompt_logprobs_json(),
         }
+        if self.body.sampling_params.prompt_logprob_token_ids is not None:
+            scores = job.prompt_token_id_logprobs(choices[0])
+            result["prompt_token_id_logprobs"] = prompt_token_id_logprobs_json(scores)
+        return result
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         """One chunk per choice delta, then the usage chunk when asked for."""
@@ -168,6 +194,8 @@ class Generation:
         elif mode == "derender":
             step = self._render(choice, delta.token_ids, delta.text, delta.finish_reason, False)
             result["delta"] = step.message.to_json()
+        if choice.sampling_masks is not None:
+            result["sampling_mask"] = _masks_json(delta.sampling_masks)
         if delta.finish_reason is not None:
             result["weight_versions"] = choice.weight_versions.spans
         return result
@@ -187,6 +215,8 @@ class Generation:
         elif mode == "derender":
             step = self._render(choice, choice.token_ids, choice.text, choice.finish_reason, True)
             result["message"] = message_json(step)
+        if choice.sampling_masks is not None:
+            result["sampling_mask"] = _masks_json(choice.sampling_masks)
         return result
 
     @staticmethod
@@ -198,11 +228,22 @@ class Generation:
         return choice.decoder.render(token_ids, text, finish, final=final or None)
 
 
+def _masks_json(masks: Sequence[SamplingSupport] | None) -> list[list[int]]:
+    """vLLM's ``sampling_mask``: each output token's support ids."""
+    return [list(mask.token_ids) for mask in masks or ()]
+
+
 async def start_generation(
     pipeline: Pipeline, body: GenerateRequest, request_id: str
 ) -> Generation:
     """Resolve the prompt's media, check the request and start its job."""
     runtime = pipeline.ready(body.model)
+    if body.stream and body.sampling_params.prompt_logprob_token_ids is not None:
+        # As vLLM: its stream chunks have no field for the scores.
+        raise InvalidRequest(
+            "prompt_logprob_token_ids are not available when stream=true.",
+            "sampling_params.prompt_logprob_token_ids",
+        )
     if body.content_parts is not None:
         prompt = await runtime.media.prompt_from_content_parts(body.token_ids, body.content_parts)
     elif body.features is not None:
@@ -221,6 +262,7 @@ async def start_generation(
         body.sampling_params,
         param="token_ids",
         media=media,
+        sampling_mask=body.return_sampling_mask,
     )
     parsing: Parsing | None = None
     if body.output_mode == "text":

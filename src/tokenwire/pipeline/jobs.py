@@ -12,6 +12,8 @@ from tokenwire.engine.base import EngineError
 from tokenwire.pipeline.errors import InvalidRequest
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from tokenwire.engine.base import Engine, TokenLogprob
     from tokenwire.pipeline.choice import Choice, ChoiceDelta
 
@@ -64,6 +66,16 @@ class GenerationJob:
         for other in self.choices:
             if other.prompt_index == choice.prompt_index and other.prompt_logprobs is not None:
                 return other.prompt_logprobs
+        return None
+
+    def prompt_token_id_logprobs(self, choice: Choice) -> np.ndarray | None:
+        """Teacher scoring of ``choice``'s prompt, from whichever of its choices has it."""
+        for other in self.choices:
+            if (
+                other.prompt_index == choice.prompt_index
+                and other.prompt_token_id_logprobs is not None
+            ):
+                return other.prompt_token_id_logprobs
         return None
 
     async def _run(self, choice: Choice) -> AsyncGenerator[ChoiceDelta, None]:

@@ -1,10 +1,10 @@
 """``--max-logprobs``: the one bound on how many logprobs a request may ask, in every dialect.
 
-vLLM checks ``logprobs`` and ``prompt_logprobs`` against its ``--max-logprobs`` (default 20,
--1: the vocabulary size). tokenwire checks the same before a request is admitted, under the
-name of the field the client sent (``top_logprobs``, ``sampling_params.prompt_logprobs``,
-``top_logprobs_num``, ...), so the 400 says which field and which limit. A ``-1`` request
-(vLLM's "the whole vocabulary") asks for the limit.
+vLLM checks ``logprobs``, ``prompt_logprobs`` and the row width of ``prompt_logprob_token_ids``
+against its ``--max-logprobs`` (default 20, -1: the vocabulary size). tokenwire checks the same
+before a request is admitted, under the name of the field the client sent (``top_logprobs``,
+``sampling_params.prompt_logprobs``, ``top_logprobs_num``, ...), so the 400 says which field and
+which limit. A ``-1`` request (vLLM's "the whole vocabulary") asks for the limit.
 """
 
 from __future__ import annotations
@@ -33,6 +33,15 @@ def apply_logprob_limit(pipeline: Pipeline, body: LogprobRequest) -> None:
         params.prompt_logprobs = _checked(
             limit, params.prompt_logprobs, "sampling_params.prompt_logprobs"
         )
+        rows = params.prompt_logprob_token_ids
+        width = max(map(len, rows)) if rows else 0
+        if width > limit:
+            raise InvalidRequest(
+                f"sampling_params.prompt_logprob_token_ids: requested {width} token ids per "
+                f"row, which is greater than max allowed: {limit} (the server's "
+                "--max-logprobs)",
+                "sampling_params.prompt_logprob_token_ids",
+            )
         return
     if isinstance(body, SGLangGenerateRequest):
         _checked(limit, body.top_logprobs_num, "top_logprobs_num")

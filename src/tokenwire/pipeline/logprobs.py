@@ -8,10 +8,13 @@ placeholders; derender and the OpenAI routes resolve them to exact token texts t
 
 from __future__ import annotations
 
+import base64
+import io
 import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import orjson
 
 from tokenwire.engine.base import TokenLogprob
@@ -82,6 +85,16 @@ def prompt_logprobs_json(
             )
         result.append(position)
     return result
+
+
+def prompt_token_id_logprobs_json(scores: np.ndarray | None) -> str | None:
+    """vLLM's ``prompt_token_id_logprobs``: the float32 [rows, ids] matrix as base64 ``.npy``
+    bytes (``np.load(io.BytesIO(base64.b64decode(s)))`` reads it back)."""
+    if scores is None:
+        return None
+    with io.BytesIO() as buffer:
+        np.save(buffer, scores.astype(np.float32, copy=False), allow_pickle=False)
+        return base64.b64encode(buffer.getbuffer()).decode("ascii")
 
 
 def engine_logprob_columns(entries: Sequence[TokenLogprob], width: int) -> LogprobInput:

@@ -122,6 +122,11 @@ class SGLangRun:
                 meta["output_top_logprobs"] = rows.output_top
             if body.logprob_start_len >= 0:
                 meta.update(self._input_logprobs(choice))
+        if choice.sampling_masks is not None:
+            masks = choice.sampling_masks
+            meta["output_token_sampling_mask"] = [list(mask.token_ids) for mask in masks]
+            meta["output_token_sampling_logprobs"] = [json_logprob(m.logprob) for m in masks]
+            meta["output_token_sampling_mask_length"] = len(masks)
         return {"text": choice.text, "output_ids": choice.token_ids, "meta_info": meta}
 
     def _input_logprobs(self, choice: Choice) -> dict[str, Any]:
@@ -198,7 +203,13 @@ async def start_sglang_generate(pipeline: Pipeline, body: SGLangGenerateRequest)
         all_ids = [list(ids) for ids in body.prompts]  # type: ignore[arg-type]
     prompts = [
         valid_prompt(
-            pipeline.config, runtime, ids, sampling, param="input_ids", prompt_only=scoring
+            pipeline.config,
+            runtime,
+            ids,
+            sampling,
+            param="input_ids",
+            prompt_only=scoring,
+            sampling_mask=body.return_sampling_mask,
         )
         for ids in all_ids
     ]

@@ -11,13 +11,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokenwire.engine.base import MultiModalInput
+from tokenwire.engine.base import GREEDY_TEMPERATURE, EngineFeature, MultiModalInput
 from tokenwire.pipeline.context import ModelRuntime, ServingConfig
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.protocol.generate import SamplingParamsModel
 from tokenwire.protocol.logprobs_in import logprob_input
 from tokenwire.protocol.openai import SamplingFields
 from tokenwire.text.token_text import LogprobInput
+
+# Teacher scoring answers rows x ids float32 values: bounded so that one request cannot ask for
+# gigabytes (at the default --max-logprobs, 8191 rows x 20 ids is 163,820).
+MAX_PROMPT_TOKEN_ID_LOGPROBS = 1 << 20
+# A sampled step's support holds at most top_k ids (vLLM caps its mask buffer at 2048 too).
+MAX_SAMPLING_MASK_IDS = 2048
 
 
 def check_token_ids(runtime: ModelRuntime, token_ids: Sequence[int], param: str) -> None:
@@ -77,6 +83,8 @@ class ValidPrompt:
     # Score the prompt only: the engine runs one step for its prompt logprobs and the choice
     # keeps no output (SGLang's ``max_new_tokens: 0``).
     prompt_only: bool = False
+    # Report each output token's sampling support (``return_sampling_mask``).
+    sampling_mask: bool = False
 
 
 def valid_prompt(
@@ -88,13 +96,86 @@ def valid_prompt(
     param: str,
     media: MultiModalInput | None = None,
     prompt_only: bool = False,
+    sampling_mask: bool = False,
 ) -> ValidPrompt:
     """A generate request's prompt and ``sampling_params``, checked."""
     max_tokens = check_prompt(runtime, token_ids, sampling.max_tokens, param=param)
     check_n(config, sampling.n)
+    check_scoring(runtime, token_ids, sampling, sampling_mask=sampling_mask)
     if sampling.max_tokens != max_tokens:
         sampling = sampling.model_copy(update={"max_tokens": max_tokens})
-    return ValidPrompt(token_ids, sampling, media, prompt_only)
+    return ValidPrompt(token_ids, sampling, media, prompt_only, sampling_mask)
+
+
+def check_scoring(
+    runtime: ModelRuntime,
+    token_ids: Sequence[int],
+    sampling: SamplingParamsModel,
+    *,
+    sampling_mask: bool,
+) -> None:
+    """Teacher scoring, ``logprob_token_ids`` and sampling masks: served by the engine, and
+    within the prompt, the vocabulary and the bounds above."""
+    rows = sampling.prompt_logprob_token_ids
+    wanted: list[tuple[EngineFeature, str]] = []
+    if rows is not None:
+        wanted.append(("prompt_token_id_logprobs", "sampling_params.prompt_logprob_token_ids"))
+    if sampling.logprob_token_ids:
+        wanted.append(("logprob_token_ids", "sampling_params.logprob_token_ids"))
+    if sampling_mask:
+        wanted.append(("sampling_mask", "return_sampling_mask"))
+    for feature, field in wanted:
+        if feature not in runtime.engine.features:
+            raise InvalidRequest(f"{field} is not supported by this server's engine", field)
+    if sampling.logprob_token_ids:
+        check_token_ids(runtime, sampling.logprob_token_ids, "sampling_params.logprob_token_ids")
+    if rows is not None:
+        _check_prompt_targets(runtime, len(token_ids), rows, sampling.prompt_logprob_start or 0)
+    # Greedy draws from its argmax alone; a sampled step's mask is bounded by its top_k.
+    sampled = sampling.temperature >= GREEDY_TEMPERATURE
+    if sampling_mask and sampled and not 0 < sampling.top_k <= MAX_SAMPLING_MASK_IDS:
+        raise InvalidRequest(
+            f"return_sampling_mask with sampling (temperature > 0) needs 0 < top_k <= "
+            f"{MAX_SAMPLING_MASK_IDS}, which bounds each step's mask; got top_k "
+            f"{sampling.top_k}",
+            "sampling_params.top_k",
+        )
+
+
+def _check_prompt_targets(
+    runtime: ModelRuntime, prompt_len: int, rows: list[list[int]], start: int
+) -> None:
+    """One row per scored prompt position (vLLM's rule), ids in the vocabulary or -1."""
+    field = "sampling_params.prompt_logprob_token_ids"
+    num_rows = prompt_len - 1 - start
+    if num_rows < 1:
+        raise InvalidRequest(
+            f"prompt_logprob_start must be less than the prompt's length minus 1 "
+            f"({prompt_len - 1}): the last prompt token predicts no prompt token; got {start}",
+            "sampling_params.prompt_logprob_start",
+        )
+    if len(rows) != num_rows:
+        raise InvalidRequest(
+            f"prompt_logprob_token_ids has {len(rows)} rows, but the prompt has {num_rows} "
+            "scored rows (prompt_len - 1 - prompt_logprob_start).",
+            field,
+        )
+    width = max(map(len, rows))
+    if num_rows * width > MAX_PROMPT_TOKEN_ID_LOGPROBS:
+        raise InvalidRequest(
+            f"prompt_logprob_token_ids asks for {num_rows} rows x {width} ids, more than "
+            f"{MAX_PROMPT_TOKEN_ID_LOGPROBS} logprobs in one request",
+            field,
+        )
+    vocab_size = runtime.vocab_size
+    for i, row in enumerate(rows):
+        if row and max(row) >= vocab_size:
+            j = next(j for j, token_id in enumerate(row) if token_id >= vocab_size)
+            raise InvalidRequest(
+                f"{field}.{i}.{j}: token id {row[j]} is out of vocabulary (ids outside the "
+                f"vocabulary 0..{vocab_size - 1} have no token; -1 pads a row)",
+                field,
+            )
 
 
 def check_output_ids(runtime: ModelRuntime, token_ids: Sequence[int] | None, where: str) -> None:

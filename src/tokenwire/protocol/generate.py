@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from tokenwire.protocol.chat import Tool
 from tokenwire.protocol.common import (
+    INT64_MAX,
     Int64,
     MinP,
     NonNegativeInt64,
@@ -24,6 +25,9 @@ from tokenwire.protocol.common import (
 
 CONTENT_PARTS_AND_FEATURES = "content_parts and features are mutually exclusive"
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs; the flag is checked in the pipeline
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids (its sampler's row width)
+# A teacher-scoring target: a token id, or -1 padding a short row (scored -inf, as vLLM).
+TargetId = Annotated[int, Field(ge=-1, le=INT64_MAX)]
 
 # vLLM SamplingParams fields that tokenwire accepts and ignores: they change no token ids.
 NO_EFFECT_FIELDS = frozenset(
@@ -52,7 +56,6 @@ UNSUPPORTED_FIELDS = (
     "logits_processors",
     "structured_outputs",
     "guided_decoding",
-    "logprob_token_ids",
 )
 
 
@@ -101,7 +104,12 @@ class SamplingParamsModel(StrictRequestModel):
     logits_processors: list[Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_decoding: dict[str, Any] | None = None
-    logprob_token_ids: list[Int64] | None = None
+    # At each output position, these ids' logprobs in place of the top k (vLLM's).
+    logprob_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_LOGPROB_TOKEN_IDS)
+    # Teacher scoring: row i lists the ids to score as prompt token prompt_logprob_start + i + 1
+    # (vLLM's; checked against the prompt in ``pipeline.validation``).
+    prompt_logprob_token_ids: list[list[TargetId]] | None = None
+    prompt_logprob_start: NonNegativeInt64 | None = None
 
     @field_validator("seed")
     @classmethod
@@ -117,6 +125,21 @@ class SamplingParamsModel(StrictRequestModel):
             raise ValueError("stop strings are not supported when detokenize is False")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must be less than or equal to max_tokens")
+        rows = self.prompt_logprob_token_ids
+        if rows is not None and not any(rows):
+            raise ValueError(
+                "prompt_logprob_token_ids must be a non-empty integer array of shape "
+                "[num_rows, num_ids]"
+            )
+        if rows is None and self.prompt_logprob_start is not None:
+            raise ValueError("prompt_logprob_start requires prompt_logprob_token_ids")
+        given = self.logprob_token_ids
+        if given and self.logprobs is not None and self.logprobs != len(given):
+            raise ValueError(
+                "When both logprobs and logprob_token_ids are set, logprobs must equal "
+                f"len(logprob_token_ids). Got logprobs={self.logprobs}, "
+                f"len(logprob_token_ids)={len(given)}."
+            )
         return self
 
     @property
@@ -128,9 +151,10 @@ class SamplingParamsModel(StrictRequestModel):
     @property
     def num_logprobs(self) -> int | None:
         """-1 means the whole vocabulary in vLLM; the routes turn it into --max-logprobs
-        before a job starts (``pipeline.logprob_limit``), MAX_LOGPROBS is the fallback."""
+        before a job starts (``pipeline.logprob_limit``), MAX_LOGPROBS is the fallback.
+        ``logprob_token_ids`` alone asks for logprobs too, one per given id (vLLM's)."""
         if self.logprobs is None:
-            return None
+            return len(self.logprob_token_ids) if self.logprob_token_ids else None
         return MAX_LOGPROBS if self.logprobs < 0 else self.logprobs
 
     @property
@@ -192,6 +216,10 @@ class GenerateRequest(RequestModel):
     # choice's message: content, reasoning, tool calls, as derender gives them).
     output_mode: Literal["tokens", "text", "derender"] = "tokens"
     parse_context: ParseContext | None = None
+    # Each choice's sampling support per output token, as ``choices[].sampling_mask``. vLLM
+    # switches it on for the whole server (--return-sampling-mask); here per request, under
+    # SGLang's name.
+    return_sampling_mask: bool = False
 
     @model_validator(mode="after")
     def _media_one_way(self) -> GenerateRequest:

@@ -43,6 +43,8 @@ class GenerateChoice(BaseModel):
     text: str | None = None
     message: JsonObject | None = None
     delta: JsonObject | None = None
+    # With return_sampling_mask: each output token's support ids.
+    sampling_mask: list[list[int]] | None = None
 
 
 class GenerateResponse(BaseModel):
@@ -52,6 +54,8 @@ class GenerateResponse(BaseModel):
     usage: Usage
     choices: list[GenerateChoice]
     prompt_logprobs: list[dict[str, JsonObject] | None] | None = None
+    # With prompt_logprob_token_ids: float32 [rows, ids] as base64 .npy bytes (vLLM's).
+    prompt_token_id_logprobs: str | None = None
 
 
 class GenerateChunk(BaseModel):
@@ -167,6 +171,11 @@ class SGLangMetaInfo(BaseModel):
     # With ``logprob_start_len`` >= 0: the prompt's, from there on (the first token's is null).
     input_token_logprobs: list[list[Any]] | None = None
     input_top_logprobs: list[list[list[Any]] | None] | None = None
+    # With ``return_sampling_mask``: each output token's support ids, the sampled token's
+    # logprob over its support, and how many tokens have one.
+    output_token_sampling_mask: list[list[int]] | None = None
+    output_token_sampling_logprobs: list[float] | None = None
+    output_token_sampling_mask_length: int | None = None
 
 
 class SGLangGenerateResponse(BaseModel):

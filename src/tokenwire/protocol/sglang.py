@@ -60,6 +60,8 @@ class SGLangGenerateRequest(RequestModel):
     stream: bool = False
     # Accepted as on generate: the hf engine's prefix cache is not partitioned by it (docs/api.md).
     cache_salt: str | list[str] | None = None
+    # Each output token's sampling support in ``meta_info`` (SGLang's).
+    return_sampling_mask: bool = False
 
     @model_validator(mode="after")
     def _prompts(self) -> SGLangGenerateRequest:

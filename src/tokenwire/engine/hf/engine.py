@@ -19,6 +19,7 @@ import torch
 
 from tokenwire.engine.base import (
     EngineError,
+    EngineFeature,
     EngineOutput,
     EngineStats,
     PauseMode,
@@ -72,14 +73,20 @@ def _merge(items: list[EngineOutput]) -> EngineOutput:
         num_prompt_tokens=first.num_prompt_tokens,
         num_cached_tokens=first.num_cached_tokens,
         weight_version=first.weight_version,
+        prompt_token_id_logprobs=first.prompt_token_id_logprobs,
+        sampling_masks=[] if any(o.sampling_masks is not None for o in items) else None,
     )
     for o in items:
         merged.new_token_ids.extend(o.new_token_ids)
         if merged.logprobs is not None and o.logprobs:
             merged.logprobs.extend(o.logprobs)
+        if merged.sampling_masks is not None and o.sampling_masks:
+            merged.sampling_masks.extend(o.sampling_masks)
         if o.prompt_logprobs is not None and merged.prompt_logprobs is None:
             merged.prompt_logprobs = o.prompt_logprobs
             merged.num_prompt_tokens = o.num_prompt_tokens
+        if o.prompt_token_id_logprobs is not None and merged.prompt_token_id_logprobs is None:
+            merged.prompt_token_id_logprobs = o.prompt_token_id_logprobs
         if o.finish_reason is not None:
             merged.finish_reason, merged.stop_reason = o.finish_reason, o.stop_reason
     return merged
@@ -108,6 +115,9 @@ class HFEngine:
 
     # Each request may ask for the processed logprobs instead.
     logprobs_mode = "raw_logprobs"
+    features: frozenset[EngineFeature] = frozenset(
+        {"prompt_token_id_logprobs", "logprob_token_ids", "sampling_mask"}
+    )
 
     def __init__(
         self,

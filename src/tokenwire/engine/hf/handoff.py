@@ -59,7 +59,10 @@ class Request:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        return self.params.prompt_logprobs is not None and not self.recompute
+        """Its prefill scores the prompt (top-k prompt logprobs, given ids' logprobs or both)."""
+        p = self.params
+        asked = p.prompt_logprobs is not None or p.prompt_logprob_token_ids is not None
+        return asked and not self.recompute
 
     @property
     def seeded(self) -> bool:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from tokenwire.engine.base import EngineError, TokenLogprob, WeightsError
@@ -48,11 +49,19 @@ def pick_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.d
 
 
 @dataclass(slots=True)
+class PromptScores:
+    """What a prefill scored of its (single) row's prompt, each part only when asked."""
+
+    logprobs: list[TokenLogprob | None] | None = None  # top-k; None for the first position
+    token_id_logprobs: np.ndarray | None = None  # [rows, ids] float32: the given ids'
+
+
+@dataclass(slots=True)
 class Prefilled:
     """A prefill forward's result, kept until sampling says which of its rows live on."""
 
     logits: torch.Tensor  # [n, V] float32: each row's next-token logits
-    prompt_logprobs: list[TokenLogprob | None] | None  # the first row's, when it asked
+    prompt: PromptScores | None  # the first row's, when it asked
     cache: Any  # the group's own DynamicCache
     mask: torch.Tensor  # [n, P] bool, left-padded
 
@@ -239,9 +248,7 @@ class ModelRunner:
         )
         for req in group:
             req.media = None  # the pixels live in the KV cache now; free them for long decodes
-        prompt_lps: list[TokenLogprob | None] | None = None
-        if hidden is not None:
-            prompt_lps = self._prompt_logprobs(hidden, group[0])
+        scores = self._score_prompt(hidden, group[0]) if hidden is not None else None
         for req in group:
             if req.sampler is not None:  # recomputed after a pause: same history, same generator
                 continue
@@ -249,7 +256,7 @@ class ModelRunner:
             req.sampler = RowSampler.create(
                 req.params, req.prompt, stops, self.vocab_size, self.device
             )
-        return Prefilled(last_logits, prompt_lps, cache, mask)
+        return Prefilled(last_logits, scores, cache, mask)
 
     def _prefill_forward(
         self,
@@ -350,15 +357,38 @@ class ModelRunner:
         assert self.cache is not None
         return self.cache.drop(rows)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, req: Request) -> list[TokenLogprob | None]:
-        """Raw logprobs of each prompt token given its prefix (the first has none)."""
-        k = req.params.prompt_logprobs or 0
-        p = hidden.shape[0]
-        offset = p - len(req.prompt)
-        result: list[TokenLogprob | None] = [None]
-        for start in range(1, len(req.prompt), PROMPT_LOGPROB_CHUNK):
-            stop = min(start + PROMPT_LOGPROB_CHUNK, len(req.prompt))
-            chunk = self._project(hidden[offset + start - 1 : offset + stop - 1]).float()
-            chosen = req.prompt[start:stop]
-            result.extend(token_logprobs(chunk, chosen, [k] * len(chosen)))
-        return result
+    def _score_prompt(self, hidden: torch.Tensor, req: Request) -> PromptScores:
+        """The prompt scores ``req`` asked for, from one projection of each chunk of positions.
+
+        Hidden position t predicts prompt token t + 1. Top-k logprobs cover every token but the
+        first; the given ids' (teacher scoring) cover the tokens after ``prompt_logprob_start``.
+        """
+        params = req.params
+        prompt = req.prompt
+        offset = hidden.shape[0] - len(prompt)
+        scores = PromptScores()
+        k = params.prompt_logprobs
+        if k is not None:
+            scores.logprobs = [None]
+        given = params.prompt_logprob_token_ids
+        start = params.prompt_logprob_start
+        targets: torch.Tensor | None = None
+        if given is not None:
+            targets = torch.tensor(given, dtype=torch.long, device=hidden.device)
+            scored = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
+        first = 0 if k is not None else start
+        for begin in range(first, len(prompt) - 1, PROMPT_LOGPROB_CHUNK):
+            end = min(begin + PROMPT_LOGPROB_CHUNK, len(prompt) - 1)
+            chunk = self._project(hidden[offset + begin : offset + end]).float()
+            if scores.logprobs is not None:
+                chosen = prompt[begin + 1 : end + 1]
+                scores.logprobs.extend(token_logprobs(chunk, chosen, [k or 0] * len(chosen)))
+            if targets is not None and end > start:
+                lo = max(begin, start)
+                rows = targets[lo - start : end - start]
+                lp = torch.log_softmax(chunk[lo - begin :], dim=-1)
+                picked = lp.gather(1, rows.clamp(min=0))
+                scored[lo - start : end - start] = picked.masked_fill(rows < 0, float("-inf"))
+        if targets is not None:
+            scores.token_id_logprobs = scored.cpu().numpy()
+        return scores

@@ -23,11 +23,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenwire.engine.base import SamplingParams, TokenLogprob
+from tokenwire.engine.base import (
+    GREEDY_TEMPERATURE,
+    SamplingParams,
+    SamplingSupport,
+    TokenLogprob,
+)
 
 # Candidate-set sizes tried in turn before a full sort (the first covers nearly every row).
 CANDIDATE_TIERS = (256, 2048)
-_GREEDY_EPS = 1e-5
 
 
 @dataclass(slots=True)
@@ -71,7 +75,7 @@ class RowSampler:
 
     @property
     def greedy(self) -> bool:
-        return self.params.temperature < _GREEDY_EPS
+        return self.params.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_processing(self) -> bool:
@@ -121,6 +125,8 @@ class RowSampler:
 class SampleResult:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    # Each row's sampling support, for rows that asked (``SamplingParams.sampling_mask``).
+    supports: list[SamplingSupport | None] = field(default_factory=list)
 
 
 def sample(logits: torch.Tensor, rows: list[RowSampler]) -> SampleResult:
@@ -142,6 +148,8 @@ def sample(logits: torch.Tensor, rows: list[RowSampler]) -> SampleResult:
         r.params.logprobs is not None and r.params.logprobs_mode == "processed_logprobs"
         for r in rows
     ]
+    # Sampling supports: filled only for the rows that asked (none: no extra work).
+    supports: dict[int, SamplingSupport] = {}
 
     greedy = [i for i, r in enumerate(rows) if r.greedy]
     if greedy:
@@ -153,16 +161,24 @@ def sample(logits: torch.Tensor, rows: list[RowSampler]) -> SampleResult:
 
     sampled = [i for i, r in enumerate(rows) if not r.greedy]
     if sampled:
-        _sample_rows(processed, rows, sampled, tokens, final, wants_processed)
+        _sample_rows(processed, rows, sampled, tokens, final, wants_processed, supports)
 
     token_list = tokens.tolist()
-    result = SampleResult(token_ids=token_list, logprobs=[None] * b)
+    result = SampleResult(token_ids=token_list, logprobs=[None] * b, supports=[None] * b)
+    for i in greedy:
+        if rows[i].params.sampling_mask:  # greedy draws from its argmax alone
+            supports[i] = SamplingSupport((token_list[i],), 0.0)
+    for i, support in supports.items():
+        result.supports[i] = support
     lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if lp_rows:
         sources = [final[i] if wants_processed[i] else logits[i] for i in lp_rows]
-        ks = [rows[i].params.logprobs or 0 for i in lp_rows]
+        params = [rows[i].params for i in lp_rows]
+        given = [p.logprob_token_ids for p in params]
+        ks = [0 if p.logprob_token_ids is not None else p.logprobs or 0 for p in params]
         chosen = [token_list[i] for i in lp_rows]
-        for i, tl in zip(lp_rows, token_logprobs(torch.stack(sources), chosen, ks), strict=True):
+        entries = token_logprobs(torch.stack(sources), chosen, ks, given)
+        for i, tl in zip(lp_rows, entries, strict=True):
             result.logprobs[i] = tl
     return result
 
@@ -179,10 +195,20 @@ class _Scaled:
     tokens: torch.Tensor  # [B] output, written in place
     final: dict[int, torch.Tensor]  # batch row -> filtered logits, for processed logprobs
     wants_processed: list[bool]  # per batch row
+    supports: dict[int, SamplingSupport]  # batch row -> its support, for rows that asked
 
     def emit(self, sel: list[int], chosen: torch.Tensor) -> None:
         rows = torch.tensor([self.batch_rows[j] for j in sel], device=self.tokens.device)
         self.tokens[rows] = chosen
+
+    def support(self, j: int, ids: torch.Tensor, probs: torch.Tensor, token: int) -> None:
+        """Keep row j's support: ``ids`` left to draw from, ``probs`` their (unnormalised)
+        probabilities in the same order, ``token`` the drawn one."""
+        order = torch.argsort(ids)
+        ids, probs = ids[order], probs[order].double()
+        sampled = probs[ids == token].sum()
+        logprob = math.log(float(sampled / probs.sum())) if sampled > 0 else -math.inf
+        self.supports[self.batch_rows[j]] = SamplingSupport(tuple(ids.tolist()), logprob)
 
 
 def _sample_rows(
@@ -192,6 +218,7 @@ def _sample_rows(
     tokens: torch.Tensor,
     final: dict[int, torch.Tensor],
     wants_processed: list[bool],
+    supports: dict[int, SamplingSupport],
 ) -> None:
     """Temperature, min_p, top_k, top_p and the draw for the non-greedy rows ``idx``."""
     device = processed.device
@@ -216,6 +243,7 @@ def _sample_rows(
         tokens=tokens,
         final=final,
         wants_processed=wants_processed,
+        supports=supports,
     )
     unfiltered = [_top_k(p, vocab) == 0 and p.top_p >= 1.0 for p in params]
     full = [j for j, f in enumerate(unfiltered) if f]
@@ -264,6 +292,9 @@ def _sample_vocab_order(ctx: _Scaled, sel: list[int]) -> None:
     for r, j in enumerate(sel):
         if ctx.wants_processed[ctx.batch_rows[j]]:
             ctx.final[ctx.batch_rows[j]] = logits[r]
+        if ctx.params[j].sampling_mask:
+            kept = torch.isfinite(logits[r]).nonzero().squeeze(1)
+            ctx.support(j, kept, probs[r][kept], int(pick[r]))
 
 
 def _sample_candidates(ctx: _Scaled, sel: list[int], kk: int) -> list[int]:
@@ -294,7 +325,9 @@ def _sample_candidates(ctx: _Scaled, sel: list[int], kk: int) -> list[int]:
         log_z = torch.where(open_tail, full_z, log_z)
     probs = torch.exp((masked - log_z.unsqueeze(1)).double())
     cum = probs.cumsum(dim=-1)
-    keep &= (cum - probs) < top_p.unsqueeze(1)  # vLLM: drop the tail whose mass is <= 1 - top_p
+    # vLLM: drop the tail whose mass is <= 1 - top_p; top_p 1 drops nothing (not even the
+    # candidates whose probability rounds to 0, which are part of the support it reports).
+    keep &= ((cum - probs) < top_p.unsqueeze(1)) | (top_p >= 1.0).unsqueeze(1)
     if kk >= vocab:
         covered = [True] * len(sel)
     else:
@@ -315,13 +348,22 @@ def _sample_candidates(ctx: _Scaled, sel: list[int], kk: int) -> list[int]:
             row = torch.full_like(logits[r], float("-inf"))
             row[cand_ids[r][keep[r]]] = cand_vals[r][keep[r]]
             ctx.final[i] = row
+        if params[r].sampling_mask:
+            kept = keep[r] & torch.isfinite(cand_vals[r])
+            ctx.support(sel[r], cand_ids[r][kept], probs[r][kept], int(chosen[r]))
     return [sel[r] for r, ok in enumerate(covered) if not ok]
 
 
-def token_logprobs(logits: torch.Tensor, chosen: list[int], ks: list[int]) -> list[TokenLogprob]:
+def token_logprobs(
+    logits: torch.Tensor,
+    chosen: list[int],
+    ks: list[int],
+    given: list[tuple[int, ...] | None] | None = None,
+) -> list[TokenLogprob]:
     """Logprob, rank and top-k of ``chosen`` for each row of ``logits`` [R, V] (log_softmax, fp32).
 
-    rank = 1 + the number of tokens with a strictly higher logprob.
+    rank = 1 + the number of tokens with a strictly higher logprob. A row with ``given`` ids
+    (vLLM's ``logprob_token_ids``) lists those ids' logprobs, in their order, as its top.
     """
     lp = torch.log_softmax(logits.float(), dim=-1)
     ids = torch.tensor(chosen, device=lp.device).unsqueeze(1)
@@ -334,6 +376,12 @@ def token_logprobs(logits: torch.Tensor, chosen: list[int], ks: list[int]) -> li
     if kmax > 0:
         tv, ti = torch.topk(lp, kmax, dim=-1)
         top_v, top_i = tv.tolist(), ti.tolist()
+    widths = list(ks)
+    for j, row_ids in enumerate(given or ()):
+        if row_ids is not None:
+            top_i[j] = list(row_ids)
+            top_v[j] = lp[j, list(row_ids)].tolist()
+            widths[j] = len(row_ids)
     return [
         TokenLogprob(
             token_id=tok,
@@ -341,5 +389,7 @@ def token_logprobs(logits: torch.Tensor, chosen: list[int], ks: list[int]) -> li
             rank=rank,
             top=tuple(zip(top_i[j][:k], top_v[j][:k], strict=True)),
         )
-        for j, (tok, lp_val, rank, k) in enumerate(zip(chosen, chosen_l, ranks, ks, strict=True))
+        for j, (tok, lp_val, rank, k) in enumerate(
+            zip(chosen, chosen_l, ranks, widths, strict=True)
+        )
     ]

@@ -30,6 +30,7 @@ from tokenwire.engine.base import (
     EngineError,
     EngineOutput,
     FinishReason,
+    SamplingSupport,
     TokenLogprob,
 )
 from tokenwire.engine.hf.handoff import (
@@ -48,7 +49,7 @@ from tokenwire.engine.hf.handoff import (
     deliver,
 )
 from tokenwire.engine.hf.prefix_cache import BLOCK_TOKENS, LayerKV, PrefixCache, block_keys
-from tokenwire.engine.hf.runner import ModelRunner
+from tokenwire.engine.hf.runner import ModelRunner, PromptScores
 from tokenwire.engine.stopping import check_stop
 
 logger = logging.getLogger(__name__)
@@ -331,9 +332,7 @@ class Scheduler:
                 len(req.context),
                 lambda i=i: self.runner.prefilled_row(prefilled, i),
             )
-        self._sample_and_emit(
-            group, prefilled.logits, emits, first=True, prompt=prefilled.prompt_logprobs
-        )
+        self._sample_and_emit(group, prefilled.logits, emits, first=True, prompt=prefilled.prompt)
         alive = [i for i, r in enumerate(group) if r.finish is None]
         if alive:
             self.runner.join(prefilled, alive)
@@ -352,14 +351,14 @@ class Scheduler:
         emits: Emits,
         *,
         first: bool,
-        prompt: list[TokenLogprob | None] | None = None,
+        prompt: PromptScores | None = None,
     ) -> None:
         picks = self._sample(rows, logits, emits)
         self.tokens_generated += len(rows)
         for i, (req, pick) in enumerate(zip(rows, picks, strict=True)):
             if pick is None:  # its sampling failed: that request alone has ended
                 continue
-            token, lp = pick
+            token, lp, support = pick
             is_first = not req.output  # a recomputed row has sent its first output already
             req.output.append(token)
             req.last_token = token
@@ -371,32 +370,34 @@ class Scheduler:
                 finish_reason=req.finish,
                 stop_reason=stop_reason,
                 weight_version=self.weight_version,
+                sampling_masks=[support] if support is not None else None,
             )
             if first and is_first:
                 out.num_prompt_tokens = len(req.prompt)
                 out.num_cached_tokens = req.num_cached
                 if prompt is not None and i == 0:
-                    out.prompt_logprobs = prompt
+                    out.prompt_logprobs = prompt.logprobs
+                    out.prompt_token_id_logprobs = prompt.token_id_logprobs
             emits.append((req.sink, out))
 
     def _sample(
         self, rows: list[Request], logits: torch.Tensor, emits: Emits
-    ) -> list[tuple[int, TokenLogprob | None] | None]:
-        """One (token, logprob) per row; a row whose sampling fails ends alone.
+    ) -> list[tuple[int, TokenLogprob | None, SamplingSupport | None] | None]:
+        """One (token, logprob, support) per row; a row whose sampling fails ends alone.
 
         The batch is sampled at once; only if that fails is each row retried on its own, so one
         request's values can never fail the others'.
         """
         try:
             result = self.runner.sample(rows, logits)
-            return list(zip(result.token_ids, result.logprobs, strict=True))
+            return list(zip(result.token_ids, result.logprobs, result.supports, strict=True))
         except Exception:
             logger.exception("hf engine: sampling failed; retrying the rows one by one")
-        picks: list[tuple[int, TokenLogprob | None] | None] = []
+        picks: list[tuple[int, TokenLogprob | None, SamplingSupport | None] | None] = []
         for i, req in enumerate(rows):
             try:
                 alone = self.runner.sample([req], logits[i : i + 1])
-                picks.append((alone.token_ids[0], alone.logprobs[0]))
+                picks.append((alone.token_ids[0], alone.logprobs[0], alone.supports[0]))
             except Exception as exc:
                 req.finish = "abort"
                 emits.append((req.sink, exc))

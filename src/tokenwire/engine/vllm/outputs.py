@@ -4,7 +4,8 @@ Three things differ from what the pipeline expects, and are settled here:
 
 - Logprobs: vLLM gives one ``{token_id: Logprob}`` dict per position, holding the chosen token
   and the top k (k or k + 1 entries); tokenwire wants the chosen token with its rank, and the
-  top k sorted by rank.
+  top k sorted by rank. With ``logprob_token_ids`` the dict holds the given ids instead of the
+  top k, ranked by their place in the list; tokenwire lists them in that order.
 - Weight versions: vLLM stamps every engine step with its weight version but reports spans only
   on the final output. A delta may merge steps of two versions (a slow consumer), so each delta
   is split at the version boundaries the request has seen so far.
@@ -40,6 +41,18 @@ def token_logprob(token_id: int, entries: Mapping[int, Any], k: int) -> TokenLog
     )
 
 
+def given_logprob(token_id: int, entries: Mapping[int, Any], given: Sequence[int]) -> TokenLogprob:
+    """One position of a ``logprob_token_ids`` request: the given ids' logprobs, in order. The
+    chosen token's rank is vLLM's: its place in ``given`` when it is one of them."""
+    chosen = entries[token_id]
+    return TokenLogprob(
+        token_id=token_id,
+        logprob=float(chosen.logprob),
+        rank=int(chosen.rank),
+        top=tuple((int(i), float(entries[i].logprob)) for i in given),
+    )
+
+
 def prompt_logprobs(
     prompt: Sequence[int], entries: Sequence[Mapping[int, Any] | None], k: int
 ) -> list[TokenLogprob | None]:
@@ -72,11 +85,13 @@ class OutputState:
             self.starts = list(live_starts)
         tokens = list(completion.token_ids)
         k = self.sampling.logprobs
-        logprobs = (
-            [token_logprob(t, e, k) for t, e in zip(tokens, completion.logprobs, strict=True)]
-            if k is not None and completion.logprobs is not None
-            else None
-        )
+        given = self.sampling.logprob_token_ids
+        logprobs = None
+        if k is not None and completion.logprobs is not None:
+            pairs = zip(tokens, completion.logprobs, strict=True)
+            logprobs = [
+                given_logprob(t, e, given) if given else token_logprob(t, e, k) for t, e in pairs
+            ]
         pieces = self._split(tokens, logprobs)
         first = pieces[0]
         if not self.sent_prompt_logprobs:
