@@ -111,17 +111,18 @@ class FrontMiddleware:
         body = await self._body(scope, receive, send)
         if body is None:  # answered (an error), or the client went away
             return
-        if route is not None and await route.answer(scope, receive, send, body):
-            return
         replayed = False
 
         async def replay() -> Message:
+            # The body read here once more first: for FastAPI, or a route's request.body().
             nonlocal replayed
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
+        if route is not None and await route.answer(scope, replay, send, body):
+            return
         await self.app(scope, replay, send)
 
     async def _body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
