@@ -45,7 +45,6 @@ from tokenwire.api.errors import exception_response
 logger = logging.getLogger("tokenwire.api")
 
 OFFLOAD_BYTES = 256 * 1024
-_JSON_TYPES = frozenset({b"application/json"})
 
 Validate = Callable[[Any], tuple[Any, list[Any]]]
 
@@ -198,11 +197,13 @@ def _first_match(routes: list[BaseRoute], method: str, path: str) -> BaseRoute |
 
 
 def _json_content(scope: Scope) -> bool:
-    """Whether the content type is JSON (FastAPI parses only such bodies as JSON)."""
+    """Whether FastAPI parses the body as JSON: a content type of ``application/json`` or
+    ``application/*+json``, read as its ``email.message`` does (anything else: ``text/plain``)."""
     for key, value in scope["headers"]:
         if key == b"content-type":
             media_type = value.split(b";", 1)[0].strip().lower()
-            return media_type in _JSON_TYPES or (
-                media_type.startswith(b"application/") and media_type.endswith(b"+json")
-            )
-    return False
+            if media_type.count(b"/") != 1:
+                return False
+            main, sub = media_type.split(b"/")
+            return main == b"application" and (sub == b"json" or sub.endswith(b"+json"))
+    return False  # FastAPI reads a body with no content type as bytes (strict_content_type)
