@@ -180,6 +180,7 @@ RAW_BODIES: list[bytes] = [
     b'{"prompt": 123456789012345678901234567890}',
     b'\xef\xbb\xbf{"prompt": "x", "temperature": 0, "max_tokens": 1}',
     b'{"prompt": "\xff"}',
+    b'{"prompt": "\xed\xa0\x80"}',
     b'{"prompt": 1, "prompt": "x", "temperature": 0, "max_tokens": 1}',
     b'{"prompt": "a\x01b"}',
     b"{'prompt': 'x'}",
