@@ -85,6 +85,15 @@ def test_lone_surrogates_are_a_400(smollm2: httpx.Client, path: str, body: dict)
     assert "surrogate" in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/completions"])
+def test_surrogates_encoded_in_utf8_are_a_400(smollm2: httpx.Client, path: str) -> None:
+    # Not UTF-8, but json.loads decodes it with "surrogatepass": it was a 500 in the tokenizer.
+    body = b'{"prompt": "a\xed\xa0\x80b", "max_tokens": 1}'
+    response = smollm2.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert "surrogate" in response.json()["error"]["message"]
+
+
 def test_surrogate_pairs_are_fine(smollm2: httpx.Client) -> None:
     body = json.dumps({"prompt": "flamingo \U0001f9a9"})  # escaped as a valid pair
     response = smollm2.post("/tokenize", content=body, headers={"Content-Type": "application/json"})

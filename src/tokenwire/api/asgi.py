@@ -9,8 +9,9 @@ pass through untouched. In order, for each HTTP request:
 - 401 without ``Authorization: Bearer KEY`` (when the server has a key) on every path but
   /health, compared in constant time, before the body is read;
 - the body read whole: 413 over the limit (declared or streamed), 408 if it does not arrive
-  within ``read_timeout_s``, 400 for a lone UTF-16 surrogate escape (``"\\ud800"``: Python's
-  JSON parser accepts it, but no tokenizer, template or serializer can use such a string);
+  within ``read_timeout_s``, 400 for a lone UTF-16 surrogate, escaped (``"\\ud800"``) or
+  encoded in UTF-8 (Python's JSON parser accepts both, but no tokenizer, template or
+  serializer can use such a string);
 - a direct route (``api.direct``) answered here; anything else handed to FastAPI;
 - a bug answered as a JSON 500 with the connection kept usable (Starlette's own 500 handler
   re-raises after answering, and uvicorn then drops the connection without
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenwire.api.direct import DirectRoutes
+from tokenwire.api.direct import NO_BODY_METHODS, DirectRoutes
 from tokenwire.api.errors import error_response
 from tokenwire.api.metrics import Metrics
 
@@ -39,7 +40,6 @@ logger = logging.getLogger("tokenwire.api")
 
 REQUEST_ID_HEADER = b"x-request-id"
 OPEN_PATHS = frozenset({"/health"})
-_NO_BODY_METHODS = frozenset({"GET", "HEAD"})
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class FrontMiddleware:
                 return
         method = scope["method"]
         route = self.direct.get((method, scope["path"]))
-        if method in _NO_BODY_METHODS:
+        if method in NO_BODY_METHODS:
             if route is not None and await route.answer(scope, receive, send, None):
                 return
             await self.app(scope, receive, send)
@@ -111,17 +111,18 @@ class FrontMiddleware:
         body = await self._body(scope, receive, send)
         if body is None:  # answered (an error), or the client went away
             return
-        if route is not None and await route.answer(scope, receive, send, body):
-            return
         replayed = False
 
         async def replay() -> Message:
+            # The body read here once more first: for FastAPI, or a route's request.body().
             nonlocal replayed
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
+        if route is not None and await route.answer(scope, replay, send, body):
+            return
         await self.app(scope, replay, send)
 
     async def _body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
@@ -140,10 +141,10 @@ class FrontMiddleware:
         if isinstance(body, int):
             await self._too_large(scope, receive, send)
             return None
-        if body is not None and has_lone_surrogate(body):
+        if body is not None and (has_lone_surrogate(body) or has_encoded_surrogate(body)):
             message = (
-                "The request body holds a lone UTF-16 surrogate escape (e.g. \\ud800): "
-                "strings must be valid Unicode"
+                "The request body holds a lone UTF-16 surrogate (e.g. \\ud800, escaped or "
+                "encoded in UTF-8): strings must be valid Unicode"
             )
             await error_response(400, message)(scope, receive, send)
             return None
@@ -186,6 +187,15 @@ def header(scope: Scope, name: bytes) -> bytes | None:
 # A \uD800-\uDFFF escape not itself escaped (an even number of backslashes before it).
 _SURROGATE_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u[dD]([89abAB]|[c-fC-F])[0-9a-fA-F]{2}")
 _HIGH = frozenset(b"89abAB")
+
+
+# A surrogate encoded in UTF-8 (ED A0..BF ..): not UTF-8, but json.loads, which FastAPI calls,
+# decodes bytes with "surrogatepass" and reads it as a lone surrogate (a 500 in the tokenizer).
+_ENCODED_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
+
+
+def has_encoded_surrogate(body: bytes) -> bool:
+    return b"\xed" in body and _ENCODED_SURROGATE.search(body) is not None
 
 
 def has_lone_surrogate(body: bytes) -> bool:
