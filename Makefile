@@ -49,6 +49,7 @@ bench: install
 	$(PY) bench/bench_tokenize.py
 	$(PY) bench/bench_derender.py
 	$(PY) bench/bench_derender_http.py
+	$(PY) bench/bench_pipeline_http.py
 	$(PY) bench/bench_gc.py
 	$(PY) bench/bench_generate.py
 	$(PY) bench/bench_rl_shapes.py
