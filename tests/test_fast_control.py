@@ -205,6 +205,9 @@ def test_abort_all_with_update_weight_version(fast_rl: FastApp) -> None:
         ("post", "/update_weight_version", {"json": {"new_version": ""}}),
         ("post", "/update_weights", {"json": {"weights": "/tmp"}}),
         ("post", "/update_weights_from_disk", {"json": {"model_path": 3}}),
+        # A component longer than the OS allows (was a 500).
+        ("post", "/update_weights", {"json": {"weight_dir": "/tmp/" + "a" * 300}}),
+        ("post", "/update_weights_from_disk", {"json": {"model_path": "/tmp/" + "a" * 300}}),
         ("post", "/pause_generation", {"json": {"mode": "later"}}),
         ("post", "/abort_requests", {"json": {"request_ids": "all"}}),
     ],

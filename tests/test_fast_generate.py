@@ -407,6 +407,7 @@ def test_compatibility_fields_are_accepted(fast_smollm2: FastApp) -> None:
         ),
         ({"token_ids": [1], "sampling_params": {"stop": ["x"], "detokenize": False}}, "detokenize"),
         ({"token_ids": [1], "sampling_params": {"n": 99}}, "n must be at most"),
+        ({"token_ids": [1], "sampling_params": {"n": 0}}, "n must be at least 1"),
         ({"token_ids": [1], "sampling_params": {"bogus_field": 1}}, "bogus_field"),
         ({"token_ids": [1], "sampling_params": {"temperature": -1}}, "temperature"),
         ({"token_ids": [1], "sampling_params": {"logprobs": 21}}, "max allowed: 20"),

@@ -156,3 +156,19 @@ def test_generate_output_modes(fast_qwen3: FastApp) -> None:
     assert "tool_calls" not in plain["choices"][0]["message"]
     ids_only = post(fast_qwen3, "/inference/v1/generate", body)["choices"][0]
     assert "text" not in ids_only and "message" not in ids_only
+
+
+def test_n_zero_is_a_400_on_every_dialect(fast_smollm2: FastApp) -> None:
+    """vLLM answers n=0 with a 400; it was a 200 without choices here (and a 500 on generate
+    and SGLang's /generate once the job owned its choices)."""
+    bodies = {
+        "/inference/v1/generate": {"token_ids": [1, 2], "sampling_params": {"n": 0}},
+        "/v1/chat/completions": {"messages": PARIS, "n": 0},
+        "/v1/completions": {"prompt": "x", "n": 0},
+        "/generate": {"text": "x", "sampling_params": {"n": 0}},
+    }
+    for path, body in bodies.items():
+        response = fast_smollm2.client.post(path, json=body)
+        assert response.status_code == 400, (path, response.text)
+        assert response.json()["error"]["param"] in ("n", "sampling_params"), path
+    assert fast_smollm2.engine.calls == []

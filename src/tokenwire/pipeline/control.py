@@ -14,6 +14,7 @@ is woken.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Collection
 from pathlib import Path
@@ -176,6 +177,22 @@ async def abort_requests(pipeline: Pipeline, request_ids: list[str] | None = Non
     return len(await pipeline.jobs.abort(request_ids or pipeline.jobs.ids()))
 
 
+def _checkpoint_path(weight_dir: str) -> Path:
+    """The path of a checkpoint directory; a 400 when the OS cannot even look it up (a
+    component over 255 bytes, say) rather than the engine's OSError."""
+    path = Path(weight_dir)
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        pass  # the engine says what is missing
+    except OSError as exc:
+        raise InvalidRequest(
+            f"weights not loaded: {weight_dir!r} cannot be looked up: {exc.strerror}",
+            "weight_dir",
+        ) from exc
+    return path
+
+
 async def load_weights(
     pipeline: Pipeline,
     weight_dir: str,
@@ -188,13 +205,14 @@ async def load_weights(
     A checkpoint that does not fit the model is a 400 and the old weights stay.
     """
     engine = pipeline.ready().engine
+    path = _checkpoint_path(weight_dir)  # before anything is aborted
     if abort_all_requests:
         await abort_requests(pipeline)
     state = pipeline.control
     if version is None:
         version = str(state.reloads + 1)
     try:
-        await engine.load_weights(Path(weight_dir), version)
+        await engine.load_weights(path, version)
     except EngineError as exc:
         raise InvalidRequest(f"weights not loaded: {exc}", "weight_dir") from exc
     state.reloads += 1

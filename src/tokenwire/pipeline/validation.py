@@ -68,6 +68,8 @@ def check_prompt(
 
 
 def check_n(config: ServingConfig, n: int) -> None:
+    if n < 1:  # the schemas' non-negative integer type lets 0 through
+        raise InvalidRequest(f"n must be at least 1, got {n}", "n")
     if n > config.max_n:
         raise InvalidRequest(f"n must be at most {config.max_n}, got {n}", "n")
 
