@@ -111,6 +111,7 @@ def test_text_in_and_cumulative_streaming(fast_smollm2: FastApp) -> None:
         {"sampling_params": {}},
         {"text": "a", "input_ids": [1]},
         {"text": ["a", 1]},
+        {"text": []},
         {"input_ids": [[1], 2]},
         {"input_ids": [[1], [-1]]},
         {"input_ids": [-1]},

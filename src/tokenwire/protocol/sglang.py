@@ -73,6 +73,8 @@ class SGLangGenerateRequest(RequestModel):
             type(i) is int and 0 <= i <= INT64_MAX for row in rows for i in row
         ):
             raise ValueError("input_ids must be non-negative 64-bit integers, or lists of them")
+        if isinstance(self.text, list) and not self.text:
+            raise ValueError("a batch needs at least one prompt")
         rids = [self.rid] if isinstance(self.rid, str) else self.rid or []
         if any(len(rid) > 256 for rid in rids):
             raise ValueError("rid must be at most 256 characters")
