@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tokenwire.engine.base import EngineError
 from tokenwire.pipeline.errors import InvalidRequest
@@ -61,21 +61,19 @@ class GenerationJob:
         return sum(c.num_cached_tokens for c in self.choices if c.sample == 0)
 
     def prompt_logprobs(self, choice: Choice) -> list[TokenLogprob | None] | None:
-        """The logprobs of ``choice``'s prompt, from whichever of its choices the engine scored
-        it with (an engine scores a prompt shared by several choices once)."""
-        for other in self.choices:
-            if other.prompt_index == choice.prompt_index and other.prompt_logprobs is not None:
-                return other.prompt_logprobs
-        return None
+        return self._prompt_score(choice, "prompt_logprobs")
 
     def prompt_token_id_logprobs(self, choice: Choice) -> np.ndarray | None:
-        """Teacher scoring of ``choice``'s prompt, from whichever of its choices has it."""
+        """Teacher scoring of ``choice``'s prompt."""
+        return self._prompt_score(choice, "prompt_token_id_logprobs")
+
+    def _prompt_score(self, choice: Choice, name: str) -> Any:
+        """What the engine reported about ``choice``'s prompt, from whichever of the prompt's
+        choices it came with (an engine may score a prompt shared by several choices once)."""
         for other in self.choices:
-            if (
-                other.prompt_index == choice.prompt_index
-                and other.prompt_token_id_logprobs is not None
-            ):
-                return other.prompt_token_id_logprobs
+            value = getattr(other, name)
+            if other.prompt_index == choice.prompt_index and value is not None:
+                return value
         return None
 
     async def _run(self, choice: Choice) -> AsyncGenerator[ChoiceDelta, None]:
