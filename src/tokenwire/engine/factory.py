@@ -24,6 +24,8 @@ def create_engine(
     extra_args: Sequence[str] = (),
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     max_logprobs: int = 20,
+    max_loras: int = 0,
+    max_lora_rank: int = 16,
 ) -> Engine:
     """An unstarted engine of ``kind``; ``extra_args`` are vLLM engine flags (vllm only).
 
@@ -31,6 +33,7 @@ def create_engine(
     vLLM sizes its own (``--enable-prefix-caching`` and its KV cache flags).
     ``max_logprobs`` is ``--max-logprobs``, which vLLM's engine checks again itself (the hf
     engine serves any count the pipeline admits).
+    ``max_loras`` > 0 serves LoRA adapters (vLLM's ``--max-loras``; 0: LoRA off).
     """
     if kind == "vllm":
         from tokenwire.engine.vllm import VLLMEngine
@@ -42,6 +45,8 @@ def create_engine(
             dtype=dtype,
             extra_args=extra_args,
             max_logprobs=max_logprobs,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
         )
     if extra_args:
         raise ValueError(f"engine arguments {list(extra_args)} need --engine vllm")
@@ -54,4 +59,6 @@ def create_engine(
         device=device,
         dtype=dtype,
         prefix_cache_bytes=prefix_cache_bytes,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
     )

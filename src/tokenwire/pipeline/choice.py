@@ -46,6 +46,7 @@ class ChoiceRequest:
     sampling: SamplingParams
     media: MultiModalInput | None = None
     prompt_only: bool = False  # the output is dropped: the prompt's logprobs are the answer
+    adapter: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 @dataclass(slots=True)

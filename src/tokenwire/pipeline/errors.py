@@ -23,6 +23,10 @@ class UnknownModel(PipelineError):
         super().__init__(f"The model `{name}` does not exist.", "model")
 
 
+class NotFound(PipelineError):
+    """The request names something (not a model) this server does not have (HTTP 404)."""
+
+
 class NotReady(PipelineError):
     """The model is loading or the server is shutting down (HTTP 503)."""
 

@@ -294,7 +294,14 @@ async def start_chat_completion(pipeline: Pipeline, body: ChatCompletionRequest)
     runtime = pipeline.ready(body.model)
     prompt = await chat_prompt(pipeline, runtime, body)
     parsing: Parsing = await chat_parsing(pipeline, runtime, body, prompt.prompt.token_ids)
-    job = start_job(pipeline, runtime, prompt.request_id, [prompt.prompt], parsing=parsing)
+    job = start_job(
+        pipeline,
+        runtime,
+        prompt.request_id,
+        [prompt.prompt],
+        parsing=parsing,
+        adapter=pipeline.adapter_of(body.model),
+    )
     return CompletionRun(
         pipeline,
         runtime,
@@ -308,7 +315,14 @@ async def start_chat_completion(pipeline: Pipeline, body: ChatCompletionRequest)
 async def start_completion(pipeline: Pipeline, body: CompletionRequest) -> CompletionRun:
     runtime = pipeline.ready(body.model)
     prompts = await completion_prompts(pipeline, runtime, body)
-    job = start_job(pipeline, runtime, completion_request_id(body), prompts, parsing=PLAIN)
+    job = start_job(
+        pipeline,
+        runtime,
+        completion_request_id(body),
+        prompts,
+        parsing=PLAIN,
+        adapter=pipeline.adapter_of(body.model),
+    )
     answer = AnswerOptions.of(body, body.logprobs)
     if body.echo:
         texts = [

@@ -62,6 +62,8 @@ class SGLangGenerateRequest(RequestModel):
     cache_salt: str | list[str] | None = None
     # Each output token's sampling support in ``meta_info`` (SGLang's).
     return_sampling_mask: bool = False
+    # The loaded LoRA adapter's name (SGLang's), or one per prompt of a batch.
+    lora_path: str | list[str | None] | None = None
 
     @model_validator(mode="after")
     def _prompts(self) -> SGLangGenerateRequest:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenwire.engine.base import EngineOutput, FinishReason, PauseMode, SamplingParams
+from tokenwire.engine.hf.lora import AdapterWeights
 from tokenwire.engine.hf.multimodal import RequestMedia
 from tokenwire.engine.hf.sampling import RowSampler
 
@@ -51,6 +52,13 @@ class Request:
     num_cached: int = 0
     # New weights came in after its prefill: its KV mixes two weight versions, keep none of it.
     stale_kv: bool = False
+    # The LoRA adapter it asked for (None: the base model), and what the scheduler pinned when
+    # the request arrived: the adapter slot its rows use (0: none), the version its tokens
+    # report, and the prefix-cache root of KV computed under that version.
+    adapter: str | None = None
+    adapter_slot: int = 0
+    adapter_version: str | None = None
+    cache_root: bytes = b""
 
     @property
     def context(self) -> list[int]:
@@ -133,6 +141,20 @@ class SwapWeights:
 
 
 @dataclass(slots=True)
+class LoadAdapter:
+    name: str
+    weights: AdapterWeights
+    version: str
+    reply: Reply
+
+
+@dataclass(slots=True)
+class UnloadAdapter:
+    name: str
+    reply: Reply
+
+
+@dataclass(slots=True)
 class SetVersion:
     version: str
     reply: Reply
@@ -143,7 +165,18 @@ class ResetPrefixCache:
     reply: Reply
 
 
-Command = Add | Abort | Stop | Pause | Resume | SwapWeights | SetVersion | ResetPrefixCache
+Command = (
+    Add
+    | Abort
+    | Stop
+    | Pause
+    | Resume
+    | SwapWeights
+    | SetVersion
+    | ResetPrefixCache
+    | LoadAdapter
+    | UnloadAdapter
+)
 # One step's outputs (or the error that ended a stream), in the order they were made.
 Emits = list[tuple[Sink, EngineOutput | BaseException]]
 

@@ -53,11 +53,14 @@ class AdapterWeights:
 
 
 def target_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
-    """The model's ``nn.Linear`` modules an adapter may target, by module path."""
+    """The ``nn.Linear`` modules of the text decoder an adapter may target, by module path
+    from the root (as PEFT names them). Not the LM head (prompt scoring projects [positions, H]
+    through it without rows) nor a vision tower (other batch shapes)."""
+    decoder = {id(m) for m in model.get_decoder().modules()}
     return {
         name: module
         for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear) and name
+        if isinstance(module, torch.nn.Linear) and id(module) in decoder
     }
 
 
@@ -166,11 +169,10 @@ class AdapterSlots:
     def read(self, path: Path) -> AdapterWeights:
         return read_adapter(path, self.linears, max_rank=self.max_rank, dtype=self._dtype)
 
-    def free_slot(self) -> int | None:
-        return next((s for s in range(1, self.max_loras + 1) if s not in self._used), None)
-
     def put(self, slot: int, adapter: AdapterWeights) -> None:
-        """Write ``adapter`` into ``slot`` (free, from ``free_slot``)."""
+        """Write ``adapter`` into ``slot``, replacing what it held."""
+        if slot in self._used:
+            self.clear(slot)
         for module, (a, b) in adapter.factors.items():
             if module not in self._a:
                 self._install(module)

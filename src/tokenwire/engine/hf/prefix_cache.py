@@ -39,11 +39,16 @@ BLOCK_TOKENS = 16
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [H, T, D]
 
 
-def block_keys(tokens: Sequence[int], known: Sequence[bytes] = ()) -> list[bytes]:
-    """The keys of every full block of ``tokens``; ``known`` are keys of a prefix of them."""
+def block_keys(
+    tokens: Sequence[int], known: Sequence[bytes] = (), *, root: bytes = b""
+) -> list[bytes]:
+    """The keys of every full block of ``tokens``; ``known`` are keys of a prefix of them.
+
+    ``root`` starts the chain: KV computed under different weights (a LoRA adapter's version)
+    has a different root, so its blocks never answer another's lookup."""
     count = len(tokens) // BLOCK_TOKENS
     keys = list(known[:count])
-    prev = keys[-1] if keys else b""
+    prev = keys[-1] if keys else root
     for i in range(len(keys), count):
         ids = array("q", tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS]).tobytes()
         prev = hashlib.blake2b(prev + ids, digest_size=16).digest()

@@ -19,9 +19,11 @@ in the order they arrive, so every token is sampled by exactly one weight versio
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -32,12 +34,14 @@ from tokenwire.engine.base import (
     FinishReason,
     SamplingSupport,
     TokenLogprob,
+    WeightsError,
 )
 from tokenwire.engine.hf.handoff import (
     Abort,
     Add,
     Command,
     Emits,
+    LoadAdapter,
     Pause,
     Reply,
     Request,
@@ -46,6 +50,7 @@ from tokenwire.engine.hf.handoff import (
     SetVersion,
     Stop,
     SwapWeights,
+    UnloadAdapter,
     deliver,
 )
 from tokenwire.engine.hf.prefix_cache import BLOCK_TOKENS, LayerKV, PrefixCache, block_keys
@@ -56,6 +61,15 @@ logger = logging.getLogger(__name__)
 
 # Padded tokens one prefill forward may hold: bounds prefill memory and decode stalls.
 MAX_PREFILL_TOKENS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class LiveAdapter:
+    """The version of a LoRA adapter new requests get: its slot, version and cache root."""
+
+    slot: int
+    version: str
+    cache_root: bytes
 
 
 class Scheduler:
@@ -90,6 +104,8 @@ class Scheduler:
         # Set by a prefill; the busy -> idle edge then frees what the peak batch held.
         self._memory_to_release = False
         self.weight_version = DEFAULT_WEIGHT_VERSION
+        self.adapters: dict[str, LiveAdapter] = {}
+        self._adapter_loads = 0  # makes each loaded version's cache root unique
         self.num_running = 0
         self.num_waiting = 0
         self.steps = 0
@@ -142,8 +158,8 @@ class Scheduler:
             except queue.Empty:
                 break
             if isinstance(cmd, Add):
-                emits.append((cmd.request.sink, self._output([], "abort")))
-            elif isinstance(cmd, Pause | Resume | SwapWeights | SetVersion | ResetPrefixCache):
+                emits.append((cmd.request.sink, self._output(cmd.request, [], "abort")))
+            elif not isinstance(cmd, Abort | Stop):
                 cmd.reply.send(EngineError("the engine is shutting down"))
         deliver(emits)
 
@@ -157,7 +173,7 @@ class Scheduler:
             if isinstance(cmd, Stop):
                 self.stopping = True
             elif isinstance(cmd, Add):
-                self.waiting.append(cmd.request)
+                self._admit(cmd.request, emits)
             elif isinstance(cmd, Abort):
                 self._apply_aborts({cmd.request_id}, emits)
             else:
@@ -166,6 +182,37 @@ class Scheduler:
                 cmd = self.inbox.get_nowait()
             except queue.Empty:
                 break
+
+    def _admit(self, req: Request, emits: Emits) -> None:
+        """Queue a request, pinned to the adapter version loaded now (if it asked for one)."""
+        if req.adapter is not None:
+            live = self.adapters.get(req.adapter)
+            if live is None:  # the engine checks names before queueing; an unload raced it
+                emits.append((req.sink, EngineError(f"LoRA adapter {req.adapter!r} unloaded")))
+                return
+            req.adapter_slot = live.slot
+            req.adapter_version = live.version
+            req.cache_root = live.cache_root
+        self.waiting.append(req)
+
+    def _load_adapter(self, cmd: LoadAdapter) -> None:
+        """Put an adapter version in a slot no request and no other adapter uses; the version it
+        replaces keeps its slot while requests pinned to it run."""
+        slots = self.runner.adapters
+        if slots is None:
+            raise WeightsError("LoRA is off (start the server with --enable-lora)")
+        busy = {r.adapter_slot for r in (*self.running, *self.waiting)}
+        busy |= {live.slot for name, live in self.adapters.items() if name != cmd.name}
+        slot = next((s for s in range(1, slots.max_loras + 1) if s not in busy), None)
+        if slot is None:
+            raise WeightsError(
+                f"all {slots.max_loras} --max-loras slots hold adapter versions in use; unload "
+                "one, wait for requests of replaced versions to finish, or raise --max-loras"
+            )
+        slots.put(slot, cmd.weights)
+        self._adapter_loads += 1
+        root = hashlib.blake2b(f"lora:{self._adapter_loads}".encode(), digest_size=16).digest()
+        self.adapters[cmd.name] = LiveAdapter(slot, cmd.version, root)
 
     def _control(self, cmd: Command, emits: Emits) -> None:
         """Pause, resume, swap weights or set the version, between two steps."""
@@ -196,6 +243,16 @@ class Scheduler:
             for req in self.running:
                 req.stale_kv = True
             cmd.reply.send(None)
+        elif isinstance(cmd, LoadAdapter):
+            try:
+                self._load_adapter(cmd)
+            except WeightsError as exc:
+                cmd.reply.send(exc)
+                return
+            cmd.reply.send(None)
+        elif isinstance(cmd, UnloadAdapter):
+            self.adapters.pop(cmd.name, None)  # its slot frees once its requests end
+            cmd.reply.send(None)
         elif isinstance(cmd, ResetPrefixCache):
             self.prefix.clear()
             cmd.reply.send(True)
@@ -219,7 +276,7 @@ class Scheduler:
         for req in self.running:
             if req.has_images:
                 req.finish = "abort"
-                emits.append((req.sink, self._output([], "abort")))
+                emits.append((req.sink, self._output(req, [], "abort")))
             else:
                 req.recompute = True
                 kept.append(req)
@@ -227,21 +284,27 @@ class Scheduler:
         self.runner.reset_cache()
         self.waiting.extendleft(reversed(kept))
 
-    def _output(self, token_ids: list[int], finish: FinishReason | None = None) -> EngineOutput:
-        return EngineOutput(token_ids, finish_reason=finish, weight_version=self.weight_version)
+    def _version(self, req: Request) -> str:
+        """The version that samples ``req``'s tokens: its adapter's, else the base weights'."""
+        return req.adapter_version or self.weight_version
+
+    def _output(
+        self, req: Request, token_ids: list[int], finish: FinishReason | None = None
+    ) -> EngineOutput:
+        return EngineOutput(token_ids, finish_reason=finish, weight_version=self._version(req))
 
     def _apply_aborts(self, ids: set[str], emits: Emits) -> None:
         kept: deque[Request] = deque()
         for req in self.waiting:
             if req.request_id in ids:
-                emits.append((req.sink, self._output([], "abort")))
+                emits.append((req.sink, self._output(req, [], "abort")))
             else:
                 kept.append(req)
         self.waiting = kept
         for req in self.running:
             if req.request_id in ids and req.finish is None:
                 req.finish = "abort"
-                emits.append((req.sink, self._output([], "abort")))
+                emits.append((req.sink, self._output(req, [], "abort")))
         self._drop_finished()
 
     def _abort_all(self, emits: Emits) -> None:
@@ -311,7 +374,7 @@ class Scheduler:
         if not self.prefix.enabled or req.has_images:
             return []
         if req.prompt_keys is None:
-            req.prompt_keys = block_keys(req.prompt)
+            req.prompt_keys = block_keys(req.prompt, root=req.cache_root)
         return block_keys(req.context, req.prompt_keys) if req.recompute else req.prompt_keys
 
     def _prefill_step(self, emits: Emits) -> None:
@@ -369,7 +432,7 @@ class Scheduler:
                 logprobs=[lp] if lp is not None else None,
                 finish_reason=req.finish,
                 stop_reason=stop_reason,
-                weight_version=self.weight_version,
+                weight_version=self._version(req),
                 sampling_masks=[support] if support is not None else None,
             )
             if first and is_first:
@@ -435,5 +498,5 @@ class Scheduler:
         if req.stale_kv or not req.output or not self._context_keys(req):
             return
         tokens = [*req.prompt, *req.output[:-1]]
-        keys = block_keys(tokens, req.prompt_keys or ())
+        keys = block_keys(tokens, req.prompt_keys or (), root=req.cache_root)
         self.prefix.keep(keys, len(tokens), lambda: self.runner.running_row(row))
