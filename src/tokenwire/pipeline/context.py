@@ -35,6 +35,8 @@ class ServingConfig:
     # --max-logprobs as given: -1 means the vocabulary size (see pipeline.logprob_limit).
     max_logprobs: int
     max_held_requests: int  # that may wait out SGLang's /pause_generation at once
+    max_loras: int = 0  # LoRA adapter versions resident at once; 0: LoRA off
+    max_lora_rank: int = 0
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ServingConfig:
@@ -54,6 +56,8 @@ class ServingConfig:
             max_n=settings.max_n,
             max_logprobs=settings.max_logprobs,
             max_held_requests=settings.max_held_requests,
+            max_loras=settings.max_loras if settings.enable_lora else 0,
+            max_lora_rank=settings.max_lora_rank,
         )
 
     @property
