@@ -112,6 +112,11 @@ class Settings:
     enable_rl_control: bool = flag(
         False, switch=True, help="serve pause/resume, weight reload and weight version routes"
     )
+    allow_nonfinite_weights: bool = flag(
+        False,
+        switch=True,
+        help="let a weight reload load NaN or infinite values (hf engine; refused by default)",
+    )
     max_held_requests: int = flag(
         1024,
         type=int,

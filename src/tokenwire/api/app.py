@@ -152,6 +152,7 @@ async def _load_runtime(
                 extra_args=settings.engine_args,
                 prefix_cache_bytes=settings.prefix_cache_bytes,
                 max_logprobs=settings.max_logprobs,
+                allow_nonfinite_weights=settings.allow_nonfinite_weights,
             )
         await engine.start()
     except asyncio.CancelledError:
