@@ -18,10 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import API_KEY, RL_SERVER_ARGS, Server, free_port
+from tests.conftest import API_KEY, CONTROL_KEY, Server, free_port
 
 ROUTER_START_TIMEOUT_S = 60
-CONTROL_KEY = "trainer-only-key"
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -163,18 +162,6 @@ def test_power_of_two_balances_on_reported_load(
     finally:
         router.stop()
     assert sum(route_count(s, "/get_load") for s in fleet) > polled
-
-
-@pytest.fixture(scope="module")
-def control_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The RL server as README "Scale out" starts it: the router's key and a control key."""
-    args = [*RL_SERVER_ARGS, "--control-api-key", CONTROL_KEY]
-    server = Server(args, tmp_path_factory.mktemp("control") / "server.log", api_key=API_KEY)
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
 
 
 def test_no_control_route_answers_through_the_router(
