@@ -42,6 +42,7 @@ from tokenwire.engine.hf.handoff import (
     SwapWeights,
 )
 from tokenwire.engine.hf.multimodal import RequestMedia, VisionSpec, check_media
+from tokenwire.engine.hf.prefix_cache import salt_key
 from tokenwire.engine.hf.runner import ModelRunner
 from tokenwire.engine.hf.scheduler import Scheduler
 
@@ -209,6 +210,7 @@ class HFEngine:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         media: Any | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Stream a request's outputs; closing the iterator early aborts it in the engine."""
         prompt = list(prompt_token_ids)
@@ -217,7 +219,15 @@ class HFEngine:
             raise EngineError(f"request id {request_id!r} is already running")
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
         self._live[request_id] = sink
-        request = Request(request_id, prompt, sampling, sink, checked, has_images=bool(checked))
+        request = Request(
+            request_id,
+            prompt,
+            sampling,
+            sink,
+            checked,
+            has_images=bool(checked),
+            salt=salt_key(cache_salt),
+        )
         self._inbox.put(Add(request))
         finished = False
         try:
