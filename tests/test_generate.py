@@ -337,7 +337,7 @@ def test_usage_reports_prefix_cached_prompt_tokens(
 def test_cache_salt_keeps_clients_apart(smollm2: httpx.Client, paris_ids: list[int]) -> None:
     """Both engines share prefix-cache blocks only between requests with the same cache_salt
     (vLLM's semantics), so no client learns from cached_tokens what another sent."""
-    prompt = [*paris_ids * 8, 1780, 315]  # another prompt no other test sends
+    prompt = [1780, 315, *paris_ids * 8]  # no other test sends its first block
 
     def cached_tokens(salt: str | None) -> int:
         body: dict = {"token_ids": prompt, "sampling_params": {"max_tokens": 2}}
