@@ -161,8 +161,10 @@ class Engine(Protocol):
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         media: MultiModalInput | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
-        """Yield outputs until one carries a finish_reason. Closing the iterator aborts."""
+        """Yield outputs until one carries a finish_reason. Closing the iterator aborts.
+        Requests with different ``cache_salt`` never share prefix-cache blocks (vLLM's)."""
         ...
 
     async def abort(self, request_id: str) -> bool:

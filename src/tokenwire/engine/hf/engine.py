@@ -24,9 +24,9 @@ from tokenwire.engine.base import (
     EngineStats,
     PauseMode,
     SamplingParams,
-    WeightsError,
 )
 from tokenwire.engine.defaults import DEFAULT_PREFIX_CACHE_BYTES
+from tokenwire.engine.hf.checkpoint import read_checkpoint
 from tokenwire.engine.hf.handoff import (
     Abort,
     Add,
@@ -42,6 +42,7 @@ from tokenwire.engine.hf.handoff import (
     SwapWeights,
 )
 from tokenwire.engine.hf.multimodal import RequestMedia, VisionSpec, check_media
+from tokenwire.engine.hf.prefix_cache import salt_key
 from tokenwire.engine.hf.runner import ModelRunner
 from tokenwire.engine.hf.scheduler import Scheduler
 
@@ -92,24 +93,6 @@ def _merge(items: list[EngineOutput]) -> EngineOutput:
     return merged
 
 
-def read_checkpoint(weight_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a HF checkpoint directory's ``*.safetensors`` files, on the CPU."""
-    from safetensors.torch import load_file
-
-    if not weight_dir.is_dir():
-        raise WeightsError(f"{weight_dir} is not a directory")
-    files = sorted(weight_dir.glob("*.safetensors"))
-    if not files:
-        raise WeightsError(f"{weight_dir} holds no *.safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            tensors.update(load_file(file, device="cpu"))
-        except Exception as exc:  # a truncated or foreign file
-            raise WeightsError(f"{file.name} is not a readable safetensors file: {exc}") from exc
-    return tensors
-
-
 class HFEngine:
     """Continuous batching for one transformers causal LM on CPU or CUDA (see the package)."""
 
@@ -128,11 +111,13 @@ class HFEngine:
         device: str | None = None,
         dtype: torch.dtype | str | None = None,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+        allow_nonfinite_weights: bool = False,
     ) -> None:
         from transformers import AutoConfig
 
         self.model_dir = Path(model_dir)
         self.model_name = self.model_dir.name
+        self.allow_nonfinite_weights = allow_nonfinite_weights
         self.config = AutoConfig.from_pretrained(self.model_dir)
         text_config = self.config.get_text_config(decoder=True)
         limit = int(getattr(text_config, "max_position_embeddings", 0) or MAX_MODEL_LEN_CAP)
@@ -225,6 +210,7 @@ class HFEngine:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         media: Any | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Stream a request's outputs; closing the iterator early aborts it in the engine."""
         prompt = list(prompt_token_ids)
@@ -233,7 +219,15 @@ class HFEngine:
             raise EngineError(f"request id {request_id!r} is already running")
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
         self._live[request_id] = sink
-        request = Request(request_id, prompt, sampling, sink, checked, has_images=bool(checked))
+        request = Request(
+            request_id,
+            prompt,
+            sampling,
+            sink,
+            checked,
+            has_images=bool(checked),
+            salt=salt_key(cache_salt),
+        )
         self._inbox.put(Add(request))
         finished = False
         try:
@@ -282,7 +276,9 @@ class HFEngine:
 
     async def load_weights(self, weight_dir: Path, version: str) -> None:
         """Read the checkpoint on a worker thread, then swap it in between two steps."""
-        tensors = await asyncio.to_thread(read_checkpoint, Path(weight_dir))
+        tensors = await asyncio.to_thread(
+            read_checkpoint, Path(weight_dir), allow_nonfinite=self.allow_nonfinite_weights
+        )
         await self._command(lambda reply: SwapWeights(tensors, version, reply))
 
     async def set_weight_version(self, version: str) -> None:

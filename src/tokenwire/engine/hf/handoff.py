@@ -49,6 +49,7 @@ class Request:
     # tokens the next prefill takes from the cache.
     prompt_keys: list[bytes] | None = None
     num_cached: int = 0
+    salt: bytes = b""  # ``prefix_cache.salt_key`` of its cache_salt
     # New weights came in after its prefill: its KV mixes two weight versions, keep none of it.
     stale_kv: bool = False
 

@@ -311,8 +311,10 @@ class Scheduler:
         if not self.prefix.enabled or req.has_images:
             return []
         if req.prompt_keys is None:
-            req.prompt_keys = block_keys(req.prompt)
-        return block_keys(req.context, req.prompt_keys) if req.recompute else req.prompt_keys
+            req.prompt_keys = block_keys(req.prompt, salt=req.salt)
+        if req.recompute:
+            return block_keys(req.context, req.prompt_keys, salt=req.salt)
+        return req.prompt_keys
 
     def _prefill_step(self, emits: Emits) -> None:
         group = self._prefilling = self._next_group()
@@ -435,5 +437,5 @@ class Scheduler:
         if req.stale_kv or not req.output or not self._context_keys(req):
             return
         tokens = [*req.prompt, *req.output[:-1]]
-        keys = block_keys(tokens, req.prompt_keys or ())
+        keys = block_keys(tokens, req.prompt_keys or (), salt=req.salt)
         self.prefix.keep(keys, len(tokens), lambda: self.runner.running_row(row))

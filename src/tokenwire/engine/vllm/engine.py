@@ -115,6 +115,7 @@ class VLLMEngine:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         media: Any | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Stream a request's outputs; closing the iterator early aborts it in vLLM."""
         from vllm.exceptions import VLLMClientError
@@ -128,15 +129,16 @@ class VLLMEngine:
         if request_id in self._live:
             raise EngineError(f"request id {request_id!r} is already running")
         params = sampling_params(sampling, self.logprobs_mode)
+        tokens = TokensPrompt(prompt_token_ids=prompt)
+        if cache_salt is not None:
+            tokens["cache_salt"] = cache_salt
         state = OutputState(prompt, sampling, frozenset(self.eos_token_ids), self._version)
         self._live[request_id] = ""
         collector = None
         finished = False
         try:
             try:
-                collector = await self._llm.add_request(
-                    request_id, TokensPrompt(prompt_token_ids=prompt), params
-                )
+                collector = await self._llm.add_request(request_id, tokens, params)
             except VLLMClientError as exc:
                 raise EngineError(str(exc)) from exc
             self._live[request_id] = collector.request_id
