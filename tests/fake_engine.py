@@ -144,6 +144,7 @@ class EngineCall:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     media: MultiModalInput | None
+    cache_salt: str | None = None
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     aborted: bool = False
@@ -223,6 +224,7 @@ class FakeEngine:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         media: MultiModalInput | None = None,
+        cache_salt: str | None = None,
         *,
         adapter: str | None = None,  # never set: the fake engine serves no LoRA
     ) -> AsyncIterator[EngineOutput]:
@@ -237,7 +239,7 @@ class FakeEngine:
         reply = self.script(request_id, prompt, sampling)
         if not isinstance(reply, Reply):
             reply = Reply(reply)
-        call = EngineCall(request_id, prompt, sampling, media)
+        call = EngineCall(request_id, prompt, sampling, media, cache_salt)
         self.calls.append(call)
         self.live[request_id] = call
         try:

@@ -53,6 +53,11 @@ class Settings:
     max_model_len: int | None = flag(None, type=int)
     chat_template: Path | None = flag(None, type=Path)
     api_key: str | None = flag(None)
+    control_api_key: str | None = flag(
+        None,
+        help="the one key control routes take (weights, pause, sleep, abort-all, /metrics); "
+        "unset: --api-key, unsafe behind a router, which holds that key",
+    )
     trust_request_chat_template: bool = flag(False, switch=True)
     request_template_workers: int = flag(
         2, type=int, help="processes rendering request templates; more requests wait"
@@ -120,6 +125,11 @@ class Settings:
     )
     allowed_lora_paths: tuple[str, ...] = flag(
         (), many=True, help="directories adapters may load from (default: any the server reads)"
+    )
+    allow_nonfinite_weights: bool = flag(
+        False,
+        switch=True,
+        help="let a weight reload load NaN or infinite values (hf engine; refused by default)",
     )
     max_held_requests: int = flag(
         1024,

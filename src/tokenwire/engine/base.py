@@ -161,11 +161,13 @@ class Engine(Protocol):
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         media: MultiModalInput | None = None,
+        cache_salt: str | None = None,
         *,
         adapter: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Yield outputs until one carries a finish_reason. Closing the iterator aborts.
 
+        Requests with different ``cache_salt`` never share prefix-cache blocks (vLLM's).
         ``adapter`` names a loaded LoRA adapter (None: the base model); the request runs under
         the version of it loaded when the request arrived, to its end."""
         ...

@@ -26,13 +26,15 @@ def create_engine(
     max_logprobs: int = 20,
     max_loras: int = 0,
     max_lora_rank: int = 16,
+    allow_nonfinite_weights: bool = False,
 ) -> Engine:
     """An unstarted engine of ``kind``; ``extra_args`` are vLLM engine flags (vllm only).
 
     ``prefix_cache_bytes`` budgets the hf engine's prefix cache (0: off);
     vLLM sizes its own (``--enable-prefix-caching`` and its KV cache flags).
     ``max_logprobs`` is ``--max-logprobs``, which vLLM's engine checks again itself (the hf
-    engine serves any count the pipeline admits).
+    engine serves any count the pipeline admits). ``allow_nonfinite_weights`` lets the hf
+    engine load a checkpoint holding NaN or infinity (vLLM's loader reads its own).
     ``max_loras`` > 0 serves LoRA adapters (vLLM's ``--max-loras``; 0: LoRA off).
     """
     if kind == "vllm":
@@ -61,4 +63,5 @@ def create_engine(
         prefix_cache_bytes=prefix_cache_bytes,
         max_loras=max_loras,
         max_lora_rank=max_lora_rank,
+        allow_nonfinite_weights=allow_nonfinite_weights,
     )

@@ -53,6 +53,7 @@ def start_job(
                 engine_sampling(params, sample, sampling_mask=prompt.sampling_mask),
                 prompt.media,
                 prompt.prompt_only,
+                prompt.cache_salt,
                 adapter,
             )
             decoder = None
@@ -266,6 +267,7 @@ async def start_generation(
         param="token_ids",
         media=media,
         sampling_mask=body.return_sampling_mask,
+        cache_salt=body.cache_salt,
     )
     parsing: Parsing | None = None
     if body.output_mode == "text":

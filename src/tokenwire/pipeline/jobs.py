@@ -84,6 +84,7 @@ class GenerationJob:
             request.prompt_ids,
             request.sampling,
             request.media,
+            cache_salt=request.cache_salt,
             adapter=request.adapter,
         )
         try:

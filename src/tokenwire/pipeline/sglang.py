@@ -224,8 +224,9 @@ async def start_sglang_generate(pipeline: Pipeline, body: SGLangGenerateRequest)
             param="input_ids",
             prompt_only=scoring,
             sampling_mask=body.return_sampling_mask,
+            cache_salt=salt,
         )
-        for ids in all_ids
+        for ids, salt in zip(all_ids, body.cache_salts, strict=True)
     ]
     if body.logprob_start_len >= 0 and any(
         body.logprob_start_len >= len(prompt.token_ids) for prompt in prompts

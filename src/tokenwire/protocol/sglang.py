@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from tokenwire.protocol.common import (
     INT64_MAX,
+    CacheSalt,
     Int64,
     MinP,
     NonNegativeInt64,
@@ -58,8 +59,8 @@ class SGLangGenerateRequest(RequestModel):
     logprob_start_len: Int64 = -1
     rid: str | list[str] | None = None
     stream: bool = False
-    # Accepted as on generate: the hf engine's prefix cache is not partitioned by it (docs/api.md).
-    cache_salt: str | list[str] | None = None
+    # One salt, or one per prompt of a batch (SGLang's).
+    cache_salt: CacheSalt | list[CacheSalt] | None = None
     # Each output token's sampling support in ``meta_info`` (SGLang's).
     return_sampling_mask: bool = False
     # The loaded LoRA adapter's name (SGLang's), or one per prompt of a batch.
@@ -82,6 +83,8 @@ class SGLangGenerateRequest(RequestModel):
             raise ValueError("rid must be at most 256 characters")
         if isinstance(self.rid, list) and len(rids) != len(self.prompts):
             raise ValueError("a list of rids needs one per prompt")
+        if isinstance(self.cache_salt, list) and len(self.cache_salt) != len(self.prompts):
+            raise ValueError("a list of cache_salt needs one per prompt")
         return self
 
     @property
@@ -90,6 +93,13 @@ class SGLangGenerateRequest(RequestModel):
         if self.text is not None:
             return isinstance(self.text, list)
         return bool(self.input_ids) and all(isinstance(i, list) for i in self.input_ids or ())
+
+    @property
+    def cache_salts(self) -> list[str | None]:
+        """Each prompt's salt."""
+        if isinstance(self.cache_salt, list):
+            return list(self.cache_salt)
+        return [self.cache_salt] * len(self.prompts)
 
     @property
     def prompts(self) -> list[str] | list[list[int]]:

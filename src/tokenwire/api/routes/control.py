@@ -1,7 +1,8 @@
 """RL-loop control routes, under vLLM's, prime-rl's and SGLang's names (``--enable-rl-control``).
 
-Always behind ``--api-key`` when one is set; off unless the flag is given, since any caller
-could otherwise stop the server or load weights from its disk.
+Every route here needs the control key (``api.control_key``: the router's ``CONTROL`` tag) when
+the server has one; off unless the flag is given, since any caller could otherwise stop the
+server or load weights from its disk.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from starlette.responses import PlainTextResponse, Response
 
+from tokenwire.api.control_key import CONTROL
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import pipeline_of
 from tokenwire.pipeline import control
@@ -39,7 +41,7 @@ from tokenwire.protocol.responses import (
     WorldSizeResponse,
 )
 
-router = APIRouter(tags=["rl-control"])
+router = APIRouter(tags=[CONTROL])
 
 # SGLang's answers: JSON null (memory routes) and a text (flush; clients match its start).
 _SGLANG_NULL: dict[int | str, dict[str, Any]] = {

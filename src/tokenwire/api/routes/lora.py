@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import PlainTextResponse, Response
 
+from tokenwire.api.control_key import CONTROL
 from tokenwire.api.errors import expected_error
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import pipeline_of
@@ -14,7 +15,8 @@ from tokenwire.pipeline.context import Pipeline
 from tokenwire.protocol.control import LoadLoraAdapterBody, UnloadLoraAdapterBody
 from tokenwire.protocol.responses import SGLangLoraResponse
 
-router = APIRouter(tags=["lora"])
+# Loading weights changes the server: the control key only (``api.control_key``).
+router = APIRouter(tags=["lora", CONTROL])
 
 
 async def _load(request: Request, body: LoadLoraAdapterBody, *, inplace: bool) -> None:

@@ -27,6 +27,7 @@ from tokenwire.engine.base import (
     WeightsError,
 )
 from tokenwire.engine.defaults import DEFAULT_PREFIX_CACHE_BYTES
+from tokenwire.engine.hf.checkpoint import read_checkpoint
 from tokenwire.engine.hf.handoff import (
     Abort,
     Add,
@@ -44,6 +45,7 @@ from tokenwire.engine.hf.handoff import (
     UnloadAdapter,
 )
 from tokenwire.engine.hf.multimodal import RequestMedia, VisionSpec, check_media
+from tokenwire.engine.hf.prefix_cache import salt_key
 from tokenwire.engine.hf.runner import ModelRunner
 from tokenwire.engine.hf.scheduler import Scheduler
 
@@ -94,24 +96,6 @@ def _merge(items: list[EngineOutput]) -> EngineOutput:
     return merged
 
 
-def read_checkpoint(weight_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a HF checkpoint directory's ``*.safetensors`` files, on the CPU."""
-    from safetensors.torch import load_file
-
-    if not weight_dir.is_dir():
-        raise WeightsError(f"{weight_dir} is not a directory")
-    files = sorted(weight_dir.glob("*.safetensors"))
-    if not files:
-        raise WeightsError(f"{weight_dir} holds no *.safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            tensors.update(load_file(file, device="cpu"))
-        except Exception as exc:  # a truncated or foreign file
-            raise WeightsError(f"{file.name} is not a readable safetensors file: {exc}") from exc
-    return tensors
-
-
 class HFEngine:
     """Continuous batching for one transformers causal LM on CPU or CUDA (see the package)."""
 
@@ -129,12 +113,14 @@ class HFEngine:
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         max_loras: int = 0,
         max_lora_rank: int = 16,
+        allow_nonfinite_weights: bool = False,
     ) -> None:
         """``max_loras`` > 0 turns LoRA on: that many adapter versions live at once."""
         from transformers import AutoConfig
 
         self.model_dir = Path(model_dir)
         self.model_name = self.model_dir.name
+        self.allow_nonfinite_weights = allow_nonfinite_weights
         self.config = AutoConfig.from_pretrained(self.model_dir)
         text_config = self.config.get_text_config(decoder=True)
         limit = int(getattr(text_config, "max_position_embeddings", 0) or MAX_MODEL_LEN_CAP)
@@ -240,6 +226,7 @@ class HFEngine:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         media: Any | None = None,
+        cache_salt: str | None = None,
         *,
         adapter: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
@@ -253,7 +240,14 @@ class HFEngine:
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
         self._live[request_id] = sink
         request = Request(
-            request_id, prompt, sampling, sink, checked, has_images=bool(checked), adapter=adapter
+            request_id,
+            prompt,
+            sampling,
+            sink,
+            checked,
+            has_images=bool(checked),
+            salt=salt_key(cache_salt),
+            adapter=adapter,
         )
         self._inbox.put(Add(request))
         finished = False
@@ -303,7 +297,9 @@ class HFEngine:
 
     async def load_weights(self, weight_dir: Path, version: str) -> None:
         """Read the checkpoint on a worker thread, then swap it in between two steps."""
-        tensors = await asyncio.to_thread(read_checkpoint, Path(weight_dir))
+        tensors = await asyncio.to_thread(
+            read_checkpoint, Path(weight_dir), allow_nonfinite=self.allow_nonfinite_weights
+        )
         await self._command(lambda reply: SwapWeights(tensors, version, reply))
 
     async def set_weight_version(self, version: str) -> None:

@@ -50,15 +50,15 @@ class Request:
     # tokens the next prefill takes from the cache.
     prompt_keys: list[bytes] | None = None
     num_cached: int = 0
+    salt: bytes = b""  # ``prefix_cache.salt_key`` of its cache_salt
     # New weights came in after its prefill: its KV mixes two weight versions, keep none of it.
     stale_kv: bool = False
     # The LoRA adapter it asked for (None: the base model), and what the scheduler pinned when
-    # the request arrived: the adapter slot its rows use (0: none), the version its tokens
-    # report, and the prefix-cache root of KV computed under that version.
+    # the request arrived: the adapter slot its rows use (0: none) and the version its tokens
+    # report (its KV's prefix-cache keys are salted with that version too).
     adapter: str | None = None
     adapter_slot: int = 0
     adapter_version: str | None = None
-    cache_root: bytes = b""
 
     @property
     def context(self) -> list[int]:

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from tokenwire.engine.base import WeightsError
+from tokenwire.engine.hf.checkpoint import all_finite, read_safetensors
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -102,7 +102,7 @@ def read_adapter(
                     f"{module}.{factor} has shape {tuple(tensor.shape)}; with r={rank} the "
                     f"model needs {expected[factor]}"
                 )
-            if not torch.isfinite(tensor).all():
+            if not all_finite(tensor):
                 raise WeightsError(f"{module}.{factor} holds NaN or infinite values")
         factors[module] = (a.to(dtype).contiguous(), (b.to(torch.float32) * scaling).to(dtype))
     return AdapterWeights(rank=rank, factors=factors)
@@ -128,15 +128,11 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 
 def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
-    """Every tensor copied into memory while the file is open (a file rewritten under a lazy
-    map would fault the process at first touch)."""
-    try:
-        with safe_open(file, framework="pt") as f:
-            return {key: f.get_tensor(key).clone() for key in f.keys()}  # noqa: SIM118
-    except FileNotFoundError as exc:
-        raise WeightsError(f"{file.parent} has no {WEIGHTS_FILE}") from exc
-    except Exception as exc:  # safetensors raises its own errors for bad headers
-        raise WeightsError(f"{WEIGHTS_FILE} cannot be read: {exc}") from exc
+    """Read into memory while the file is open, as checkpoints are (a trainer rewriting the
+    adapter it saves each step must not fault the server)."""
+    if not file.is_file():
+        raise WeightsError(f"{file.parent} has no {WEIGHTS_FILE}")
+    return read_safetensors(file)
 
 
 def _split_key(key: str) -> tuple[str, str]:

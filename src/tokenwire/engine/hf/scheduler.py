@@ -65,11 +65,12 @@ MAX_PREFILL_TOKENS = 4096
 
 @dataclass(frozen=True, slots=True)
 class LiveAdapter:
-    """The version of a LoRA adapter new requests get: its slot, version and cache root."""
+    """The version of a LoRA adapter new requests get: its slot, its version, and what salts
+    the prefix-cache keys of KV computed under it (unique per load)."""
 
     slot: int
     version: str
-    cache_root: bytes
+    salt: bytes
 
 
 class Scheduler:
@@ -192,7 +193,8 @@ class Scheduler:
                 return
             req.adapter_slot = live.slot
             req.adapter_version = live.version
-            req.cache_root = live.cache_root
+            # KV under another adapter version must never answer this one's lookups.
+            req.salt = hashlib.blake2b(req.salt + live.salt, digest_size=16).digest()
         self.waiting.append(req)
 
     def _load_adapter(self, cmd: LoadAdapter) -> None:
@@ -211,8 +213,8 @@ class Scheduler:
             )
         slots.put(slot, cmd.weights)
         self._adapter_loads += 1
-        root = hashlib.blake2b(f"lora:{self._adapter_loads}".encode(), digest_size=16).digest()
-        self.adapters[cmd.name] = LiveAdapter(slot, cmd.version, root)
+        salt = hashlib.blake2b(f"lora:{self._adapter_loads}".encode(), digest_size=16).digest()
+        self.adapters[cmd.name] = LiveAdapter(slot, cmd.version, salt)
 
     def _control(self, cmd: Command, emits: Emits) -> None:
         """Pause, resume, swap weights or set the version, between two steps."""
@@ -374,8 +376,10 @@ class Scheduler:
         if not self.prefix.enabled or req.has_images:
             return []
         if req.prompt_keys is None:
-            req.prompt_keys = block_keys(req.prompt, root=req.cache_root)
-        return block_keys(req.context, req.prompt_keys) if req.recompute else req.prompt_keys
+            req.prompt_keys = block_keys(req.prompt, salt=req.salt)
+        if req.recompute:
+            return block_keys(req.context, req.prompt_keys, salt=req.salt)
+        return req.prompt_keys
 
     def _prefill_step(self, emits: Emits) -> None:
         group = self._prefilling = self._next_group()
@@ -498,5 +502,5 @@ class Scheduler:
         if req.stale_kv or not req.output or not self._context_keys(req):
             return
         tokens = [*req.prompt, *req.output[:-1]]
-        keys = block_keys(tokens, req.prompt_keys or (), root=req.cache_root)
+        keys = block_keys(tokens, req.prompt_keys or (), salt=req.salt)
         self.prefix.keep(keys, len(tokens), lambda: self.runner.running_row(row))

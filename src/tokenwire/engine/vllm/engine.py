@@ -126,6 +126,7 @@ class VLLMEngine:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         media: Any | None = None,
+        cache_salt: str | None = None,
         *,
         adapter: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
@@ -146,6 +147,9 @@ class VLLMEngine:
                 raise EngineError(f"LoRA adapter {adapter!r} is not loaded")
             lora, version = self._adapters[adapter]
         params = sampling_params(sampling, self.logprobs_mode)
+        tokens = TokensPrompt(prompt_token_ids=prompt)
+        if cache_salt is not None:
+            tokens["cache_salt"] = cache_salt
         state = OutputState(
             prompt, sampling, frozenset(self.eos_token_ids), version, track_versions=lora is None
         )
@@ -155,7 +159,7 @@ class VLLMEngine:
         try:
             try:
                 collector = await self._llm.add_request(
-                    request_id, TokensPrompt(prompt_token_ids=prompt), params, lora_request=lora
+                    request_id, tokens, params, lora_request=lora
                 )
             except VLLMClientError as exc:
                 raise EngineError(str(exc)) from exc
