@@ -94,6 +94,8 @@ class ControlState:
     continued: asyncio.Event = field(default_factory=asyncio.Event)
     held: int = 0
     reloads: int = 0  # numbers the versions of reloads that name none
+    # Counts resumes, so a pause that a resume overtook (a "wait" still draining) can say so.
+    resumes: int = 0
 
     @property
     def sleeping(self) -> bool:

@@ -71,18 +71,23 @@ def is_holding(pipeline: Pipeline) -> bool:
     return pipeline.control.holding
 
 
-async def pause(pipeline: Pipeline, mode: str, *, clear_cache: bool = False) -> int:
-    """Pause the engine; return how many requests were in flight."""
+async def pause(pipeline: Pipeline, mode: str, *, clear_cache: bool = False) -> bool:
+    """Pause the engine; return whether it is still paused when the pause is done: a resume
+    may overtake a ``wait`` pause while its requests drain (every concurrent caller is
+    answered then, and told so)."""
     if mode not in PAUSE_MODES:
         raise InvalidRequest(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
     engine = pipeline.ready().engine
     state = pipeline.control
+    resumes = state.resumes
     previous, state.pause_mode = state.pause_mode, mode  # type: ignore[assignment]
     try:
-        return await engine.pause(mode, clear_cache=clear_cache)  # type: ignore[arg-type]
+        await engine.pause(mode, clear_cache=clear_cache)  # type: ignore[arg-type]
     except BaseException:
-        state.pause_mode = previous
+        if state.resumes == resumes:
+            state.pause_mode = previous
         raise
+    return state.resumes == resumes
 
 
 async def pause_generation(pipeline: Pipeline, mode: str) -> None:
@@ -107,6 +112,7 @@ async def pause_generation(pipeline: Pipeline, mode: str) -> None:
 async def resume(pipeline: Pipeline) -> None:
     await pipeline.ready().engine.resume()
     state = pipeline.control
+    state.resumes += 1
     state.pause_mode = None
     state.asleep = frozenset()
     # Last: a held request goes on to ``admit``, which must find the pause over.
