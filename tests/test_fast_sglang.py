@@ -127,6 +127,47 @@ def test_sglang_generate_bad_input(fast_rl: FastApp, body: dict) -> None:
     assert fast_rl.abort_all() == 0
 
 
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"sampling_params": {"regex": "(yes|no)"}}, "sampling_params.regex"),
+        ({"sampling_params": {"json_schema": '{"type": "object"}'}}, "sampling_params.json_schema"),
+        ({"sampling_params": {"ebnf": 'root ::= "a"'}}, "sampling_params.ebnf"),
+        ({"sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag"),
+        ({"sampling_params": {"stop_regex": "a+"}}, "sampling_params.stop_regex"),
+        ({"sampling_params": {"logit_bias": {"5": 100}}}, "sampling_params.logit_bias"),
+        ({"sampling_params": {"custom_params": {"a": 1}}}, "sampling_params.custom_params"),
+        ({"image_data": "data:image/png;base64,AAAA"}, "image_data"),
+        ({"video_data": ["v.mp4"]}, "video_data"),
+        ({"audio_data": ["a.wav"]}, "audio_data"),
+        ({"input_embeds": [[0.1, 0.2]]}, "input_embeds"),
+        ({"lora_path": "adapter"}, "lora_path"),
+        ({"lora_id": "adapter-1"}, "lora_id"),
+        ({"custom_logit_processor": "serialized"}, "custom_logit_processor"),
+        ({"session_params": {"id": "s"}}, "session_params"),
+        ({"token_ids_logprob": [5, 6]}, "token_ids_logprob"),
+        ({"return_hidden_states": True}, "return_hidden_states"),
+        ({"return_routed_experts": True}, "return_routed_experts"),
+    ],
+)
+def test_fields_that_change_the_output_and_are_not_served_are_a_400(
+    fast_smollm2: FastApp, change: dict, param: str
+) -> None:
+    """SGLang fields tokenwire does not implement are refused by name (a 200 that ignored them
+    would hand back an unconstrained, unbiased or text-only answer as if it were the one asked
+    for); their "off" values pass, and an innocent request beside them is served."""
+    refused = fast_smollm2.client.post("/generate", json={"input_ids": PROMPT, **change})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == param and param.split(".")[-1] in error["message"]
+    assert fast_smollm2.engine.calls == []
+    fast_smollm2.engine.script = lambda *_: [7, EOS]
+    off = {"regex": None, "logit_bias": {}}
+    innocent = sglang(fast_smollm2, input_ids=PROMPT, image_data=None, sampling_params=off)
+    assert innocent["output_ids"] == [7, EOS]
+    assert fast_smollm2.abort_all() == 0
+
+
 def test_top_logprobs_list_the_sampled_token_first(fast_smollm2: FastApp) -> None:
     """vLLM's rule on every route: the sampled token, then the most likely others, k in all."""
     top = ((11, -0.1), (12, -1.0), (13, -2.0), (14, -2.5), (15, -3.0))
