@@ -243,6 +243,28 @@ def test_control_bad_input_is_a_400(fast_rl: FastApp, method: str, path: str, kw
     assert not fast_rl.engine.is_paused()
 
 
+@pytest.mark.parametrize(
+    ("path", "query", "headers", "content"),
+    [
+        # curl -d sends a form body: the bad query parameter is still what is named.
+        ("/sleep", {"level": "deep"}, {"content-type": "application/x-www-form-urlencoded"}, b"a"),
+        ("/sleep", {"level": "deep"}, {"content-type": "text/plain"}, b"{}"),
+        ("/pause", {"clear_cache": "maybe"}, {"content-type": "text/plain"}, b"x"),
+        ("/flush_cache", {"timeout": "soon"}, {"content-type": "application/json"}, b"{"),
+    ],
+)
+def test_a_bad_query_parameter_is_named(
+    fast_rl: FastApp, path: str, query: dict, headers: dict, content: bytes
+) -> None:
+    (name,) = query
+    response = fast_rl.client.post(path, params=query, headers=headers, content=content)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == name and name in error["message"], error
+    assert "must be JSON" not in error["message"]
+    assert ok(fast_rl.client.get("/is_paused")) == {"is_paused": False}
+
+
 def test_versions_sleep_and_the_sglang_names(fast_rl: FastApp) -> None:
     client = fast_rl.client
     fast_rl.engine.script = lambda *_: [5, 6, 7]
