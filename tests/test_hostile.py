@@ -306,6 +306,81 @@ def test_a_500_leaves_the_connection_usable(tmp_path: Path) -> None:
         thread.join(timeout=30)
 
 
+def test_unfinished_headers_are_timed_out_and_connections_capped(tmp_path: Path) -> None:
+    """Connections that never finish their headers (slowloris) held file descriptors for ever
+    (1,050 of them and /health failed). Now each is answered 408 and closed after
+    --header-read-timeout-s, a connection past --max-connections is answered 503 and closed at
+    once, and an innocent request is served beside them and after them. The real app and
+    protocol on uvicorn on 127.0.0.1 (the model is never loaded)."""
+    import asyncio
+    import socket
+
+    import uvicorn
+
+    from tokenwire.api.app import create_app
+    from tokenwire.api.server import uvicorn_config
+    from tokenwire.settings import Settings
+
+    settings = Settings(
+        model=str(tmp_path / "no-model"),
+        port=free_port(),
+        header_read_timeout_s=1.0,
+        max_connections=20,
+        log_level="critical",
+    )
+    server = uvicorn.Server(uvicorn_config(create_app(settings), settings))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    address = ("127.0.0.1", settings.port)
+
+    def slow() -> socket.socket:
+        sock = socket.create_connection(address, timeout=10)
+        sock.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\n")  # never ends
+        return sock
+
+    def reply(sock: socket.socket) -> tuple[bytes, dict]:
+        data = b""
+        while chunk := sock.recv(4096):
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        return head, orjson.loads(body)
+
+    slow_ones: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        base = f"http://127.0.0.1:{settings.port}"
+        slow_ones = [slow() for _ in range(18)]
+        with httpx.Client(base_url=base) as innocent:  # the 19th connection
+            assert innocent.get("/version").status_code == 200
+            # The 20th: a keep-alive connection whose next request never finishes its headers.
+            keep_alive = socket.create_connection(address, timeout=10)
+            keep_alive.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n")
+            first = b""
+            while not first.endswith(b"}"):
+                first += keep_alive.recv(4096)
+            assert first.startswith(b"HTTP/1.1 200")
+            keep_alive.sendall(b"GET /version HTTP/1.1\r\n")
+            started = time.monotonic()
+            # The 21st connection: refused at once.
+            head, body = reply(socket.create_connection(address, timeout=10))
+            assert head.startswith(b"HTTP/1.1 503") and body["error"]["code"] == 503
+            for sock in [*slow_ones, keep_alive]:
+                head, body = reply(sock)
+                assert head.startswith(b"HTTP/1.1 408"), head
+                assert "headers" in body["error"]["message"]
+            assert time.monotonic() - started < 5
+        with httpx.Client(base_url=base) as after:
+            assert after.get("/version").status_code == 200
+    finally:
+        for sock in slow_ones:
+            sock.close()
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
 def test_malformed_http_gets_the_json_error_body(smollm2_server: Server) -> None:
     import socket
 

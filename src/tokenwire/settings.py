@@ -66,6 +66,17 @@ class Settings:
     request_read_timeout_s: float = flag(
         60.0, type=float, help="a request body must arrive within this many seconds (else 408)"
     )
+    header_read_timeout_s: float = flag(
+        10.0,
+        type=float,
+        help="a request's headers must arrive within this many seconds (else 408, closed)",
+    )
+    max_connections: int | None = flag(
+        None,
+        type=int,
+        help="open connections at once; more are answered 503 and closed (default: what the "
+        "open-file limit allows, less a reserve)",
+    )
     shutdown_timeout_s: float = flag(
         30.0,
         option="--shutdown-timeout",

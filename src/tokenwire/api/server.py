@@ -9,8 +9,12 @@ with ``finish_reason: "abort"`` and their tokens so far (streams with a final ch
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
+import resource
 from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import uvicorn
@@ -19,6 +23,9 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from tokenwire.api.errors import error_body
 from tokenwire.pipeline.context import Pipeline
 from tokenwire.pipeline.jobs import JobRegistry
+
+if TYPE_CHECKING:
+    from tokenwire.settings import Settings
 
 logger = logging.getLogger("tokenwire")
 
@@ -72,13 +79,67 @@ async def _wait_until_empty(jobs: JobRegistry, timeout_s: float) -> None:
         await asyncio.sleep(_POLL_S)
 
 
-class JsonErrorHttpProtocol(HttpToolsProtocol):
-    """uvicorn's HTTP protocol, answering a malformed request with the JSON error body every
-    other failure has (uvicorn writes text/plain)."""
+class HttpProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP protocol with the guards it lacks, each answered with the JSON error body
+    every other failure has (uvicorn writes text/plain):
+
+    - a malformed request: 400;
+    - headers that do not arrive within ``header_timeout_s`` (of the connection opening or of
+      a keep-alive request's first byte): 408 and closed, so idle or trickling connections
+      cannot hold file descriptors for ever (uvicorn times out only idle keep-alive ones);
+    - a connection past ``max_connections`` open at once: 503 and closed at once.
+    """
+
+    def __init__(
+        self, *args: Any, header_timeout_s: float, max_connections: int, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.header_timeout_s = header_timeout_s
+        self.max_connections = max_connections
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            self._refuse(503, f"The server has {self.max_connections} connections open")
+            return
+        self._arm_header_timer()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._header_timer is None:  # a keep-alive connection's next request
+            self._arm_header_timer()
+
+    def on_headers_complete(self) -> None:
+        self._cancel_header_timer()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
-        body = orjson.dumps(error_body(400, msg))
-        head = [STATUS_LINE[400]]
+        self._refuse(400, msg)
+
+    def _arm_header_timer(self) -> None:
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            message = f"The request headers did not arrive within {self.header_timeout_s:g} s"
+            self._refuse(408, message)
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer ``status`` with the JSON error body and close the connection."""
+        self._cancel_header_timer()
+        body = orjson.dumps(error_body(status, message))
+        head = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             head.extend([name, b": ", value, b"\r\n"])
         head.extend(
@@ -91,3 +152,42 @@ class JsonErrorHttpProtocol(HttpToolsProtocol):
         )
         self.transport.write(b"".join(head))
         self.transport.close()
+
+
+# File descriptors kept back from connections: model shards, template workers, media, logs.
+_RESERVED_FDS = 256
+_TARGET_OPEN_FILES = 65536  # as vLLM raises it at start-up
+
+
+def connection_cap(requested: int | None) -> int:
+    """``--max-connections``, or what the open-file limit allows (raised to its hard limit
+    first, as vLLM does) less a reserve: connections must run out before file descriptors."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = _TARGET_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, _TARGET_OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+    if requested is not None:
+        return requested
+    limit = _TARGET_OPEN_FILES if soft == resource.RLIM_INFINITY else soft
+    return max(limit - _RESERVED_FDS, 16)
+
+
+def uvicorn_config(app: Any, settings: Settings) -> uvicorn.Config:
+    """How ``tokenwire serve`` runs ``app`` under uvicorn (tests build the same)."""
+    protocol = functools.partial(
+        HttpProtocol,
+        header_timeout_s=settings.header_read_timeout_s,
+        max_connections=connection_cap(settings.max_connections),
+    )
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        loop="uvloop",
+        http=protocol,  # type: ignore[arg-type]
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
