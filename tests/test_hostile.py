@@ -4,6 +4,7 @@ innocent requests beside it finish normally (issue: no request harms another).""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import signal
 import threading
@@ -377,6 +378,73 @@ def test_unfinished_headers_are_timed_out_and_connections_capped(tmp_path: Path)
     finally:
         for sock in slow_ones:
             sock.close()
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def test_a_client_that_never_reads_its_stream_is_dropped(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A client that opens a long stream and reads nothing used to hold its request (and the
+    output waiting for it) for ever. With its write buffer full for --send-timeout-s its
+    connection is dropped and its request aborted, nothing left running; a client beside it
+    is served. The real app and protocol on uvicorn, over the fake engine."""
+    import asyncio
+    import socket
+
+    import uvicorn
+
+    from tests.fake_engine import FakeEngine
+    from tests.fast_app import weightless_view
+    from tokenwire.api.app import create_app
+    from tokenwire.api.server import uvicorn_config
+    from tokenwire.assets import prepare
+    from tokenwire.settings import DEFAULT_MODEL, parse_serve_args
+
+    view = weightless_view(prepare(DEFAULT_MODEL), tmp_path_factory.mktemp("weightless"))
+    port = free_port()
+    argv = ["--model", str(view), "--port", str(port), "--send-timeout-s", "1"]
+    settings = parse_serve_args([*argv, "--log-level", "critical"])
+    engine = FakeEngine.for_model(view)
+    app = create_app(settings, engine)
+    server = uvicorn.Server(uvicorn_config(app, settings))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    body = {
+        "token_ids": [5, 6, 7],
+        "stream": True,
+        "sampling_params": {"max_tokens": 8000, "logprobs": 20},
+    }
+    payload = orjson.dumps(body)
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started or httpx.get(f"http://127.0.0.1:{port}/health").is_error:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        reader = socket.socket()
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        reader.connect(("127.0.0.1", port))
+        reader.sendall(
+            b"POST /inference/v1/generate HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\n"
+            b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
+        )
+        assert reader.recv(12) == b"HTTP/1.1 200"  # then it reads nothing more
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as innocent:
+            short = {"token_ids": [9, 9], "sampling_params": {"max_tokens": 3}}
+            answer = innocent.post("/inference/v1/generate", json=short)
+            assert answer.status_code == 200
+            assert answer.json()["choices"][0]["token_ids"] == [9, 9, 9]
+        deadline = time.monotonic() + 20
+        while engine.live or len(app.state.pipeline.jobs):
+            assert time.monotonic() < deadline, "the unread stream was never dropped"
+            time.sleep(0.05)
+        reader.settimeout(10)
+        with contextlib.suppress(ConnectionResetError):
+            while reader.recv(1 << 16):  # what was sent before the drop, then the end
+                pass
+        reader.close()
+    finally:
         server.should_exit = True
         thread.join(timeout=30)
 

@@ -77,6 +77,12 @@ class Settings:
         help="open connections at once; more are answered 503 and closed (default: what the "
         "open-file limit allows, less a reserve)",
     )
+    send_timeout_s: float = flag(
+        60.0,
+        type=float,
+        help="a client that reads nothing of its response for this many seconds while output "
+        "waits for it is dropped and its request aborted",
+    )
     shutdown_timeout_s: float = flag(
         30.0,
         option="--shutdown-timeout",

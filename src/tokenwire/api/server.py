@@ -87,16 +87,26 @@ class HttpProtocol(HttpToolsProtocol):
     - headers that do not arrive within ``header_timeout_s`` (of the connection opening or of
       a keep-alive request's first byte): 408 and closed, so idle or trickling connections
       cannot hold file descriptors for ever (uvicorn times out only idle keep-alive ones);
-    - a connection past ``max_connections`` open at once: 503 and closed at once.
+    - a connection past ``max_connections`` open at once: 503 and closed at once;
+    - a client that reads nothing for ``send_timeout_s`` while output waits for it (the write
+      buffer full): the connection is dropped, which ends its request as a disconnect does
+      (its engine requests aborted); its waiting output is bounded by what that time makes.
     """
 
     def __init__(
-        self, *args: Any, header_timeout_s: float, max_connections: int, **kwargs: Any
+        self,
+        *args: Any,
+        header_timeout_s: float,
+        max_connections: int,
+        send_timeout_s: float,
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.header_timeout_s = header_timeout_s
         self.max_connections = max_connections
+        self.send_timeout_s = send_timeout_s
         self._header_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -116,7 +126,30 @@ class HttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
+        self._cancel_send_timer()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.send_timeout_s, self._client_stalled)
+
+    def resume_writing(self) -> None:
+        self._cancel_send_timer()
+        super().resume_writing()
+
+    def _cancel_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _client_stalled(self) -> None:
+        self._send_timer = None
+        logger.warning(
+            "dropping a connection whose client read nothing for %gs", self.send_timeout_s
+        )
+        # abort, not close: close waits to flush the buffer this client never reads.
+        self.transport.abort()
 
     def send_400_response(self, msg: str) -> None:
         self._refuse(400, msg)
@@ -180,6 +213,7 @@ def uvicorn_config(app: Any, settings: Settings) -> uvicorn.Config:
         HttpProtocol,
         header_timeout_s=settings.header_read_timeout_s,
         max_connections=connection_cap(settings.max_connections),
+        send_timeout_s=settings.send_timeout_s,
     )
     return uvicorn.Config(
         app,
