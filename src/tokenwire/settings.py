@@ -129,6 +129,12 @@ class Settings:
         type=int,
         help="requests that may wait out SGLang's /pause_generation at once; more get a 503",
     )
+    incremental_streaming_output: bool = flag(
+        False,
+        switch=True,
+        help="SGLang /generate streams send deltas (text, output_ids, logprobs), as SGLang's "
+        "flag of that name; without it chunks are cumulative, sent less often as they grow",
+    )
     engine: EngineKind = flag(
         "hf",
         choices=ENGINE_KINDS,

@@ -34,6 +34,8 @@ class ServingConfig:
     # --max-logprobs as given: -1 means the vocabulary size (see pipeline.logprob_limit).
     max_logprobs: int
     max_held_requests: int  # that may wait out SGLang's /pause_generation at once
+    # SGLang's --incremental-streaming-output: /generate stream chunks carry deltas.
+    incremental_streaming_output: bool
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ServingConfig:
@@ -53,6 +55,7 @@ class ServingConfig:
             max_n=settings.max_n,
             max_logprobs=settings.max_logprobs,
             max_held_requests=settings.max_held_requests,
+            incremental_streaming_output=settings.incremental_streaming_output,
         )
 
     @property
