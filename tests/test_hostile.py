@@ -239,6 +239,81 @@ def test_sigterm_lets_requests_finish_then_aborts_and_exits_0(tmp_path: Path) ->
         server.stop()
 
 
+@pytest.mark.model  # its own server, with the model
+def test_sigterm_answers_requests_not_in_the_engine_503_and_exits_soon(tmp_path: Path) -> None:
+    """Requests that never reached the engine got uvicorn's text/plain 500 once its grace period
+    ran out, and the exit came well after --shutdown-timeout. Now a request held by SGLang's
+    pause gets a JSON 503 at the signal, one whose body never ends gets it once the requests
+    in the engine are done, and the process exits soon after the timeout."""
+    import socket
+
+    timeout_s = 5
+    args = ["--shutdown-timeout", str(timeout_s), "--enable-rl-control"]
+    server = Server(args, tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        lines: list[str] = []
+        held: dict[str, Any] = {}
+
+        def streamed() -> None:  # in the engine, frozen by the pause: aborted at the timeout
+            body = {
+                "token_ids": [1, 2, 3],
+                "stream": True,
+                "sampling_params": {"max_tokens": 8000, "ignore_eos": True},
+            }
+            with (
+                server.client() as own,
+                own.stream("POST", "/inference/v1/generate", json=body) as response,
+            ):
+                lines.extend(line for line in response.iter_lines() if line)
+
+        def held_by_the_pause() -> None:
+            with server.client() as own:
+                body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
+                response = own.post("/generate", json=body)
+                held.update(response=response, at=time.monotonic())
+
+        stream = threading.Thread(target=streamed)
+        stream.start()
+        deadline = time.monotonic() + 60
+        while not lines:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with server.client() as control:
+            assert control.post("/pause_generation", json={"mode": "in_place"}).is_success
+        holder = threading.Thread(target=held_by_the_pause)
+        holder.start()
+        slow = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        slow.sendall(
+            b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt": '
+        )
+        time.sleep(0.5)
+        signalled = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        holder.join(timeout=30)
+        assert held["at"] - signalled < 2  # at the signal, not after the drain
+        refused = held["response"]
+        assert refused.status_code == 503
+        assert refused.json()["error"]["message"] == "The server is shutting down"
+        reply = b""
+        while chunk := slow.recv(4096):
+            reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503")
+        assert b"content-type: application/json" in head.lower()
+        assert orjson.loads(body)["error"]["code"] == 503
+        assert server.process.wait(timeout=60) == 0
+        assert time.monotonic() - signalled < timeout_s + 4
+        stream.join(timeout=30)
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort"
+        log = (tmp_path / "server.log").read_text()
+        assert "Traceback" not in log and "Internal Server Error" not in log
+    finally:
+        server.stop()
+
+
 def peak_rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):

@@ -1,9 +1,11 @@
 """The HTTP server process: uvicorn, with a graceful shutdown that ends every request cleanly.
 
-On SIGTERM or SIGINT the server stops taking work (new requests get a JSON 503, /health says
-so), lets running requests finish up to ``--shutdown-timeout``, then aborts the rest: they end
-with ``finish_reason: "abort"`` and their tokens so far (streams with a final chunk and
-``[DONE]``), and the process exits 0. A second signal stops it at once.
+On SIGTERM or SIGINT the server stops taking work: every request not yet in the engine (new,
+held by SGLang's pause, or still rendering) gets a JSON 503, /health says so. Requests in the
+engine finish up to ``--shutdown-timeout``, then the rest are aborted: they end with
+``finish_reason: "abort"`` and their tokens so far (streams with a final chunk and ``[DONE]``).
+What is still waiting then (a body that never arrives) is answered 503 too, and the process
+exits 0, a few seconds after the timeout at most. A second signal stops it at once.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class GracefulServer(uvicorn.Server):
         logger.info(
             "shutting down: finishing requests in flight (up to %gs)", self.shutdown_timeout_s
         )
-        self.pipeline.shutting_down = True  # new requests: 503
+        self.pipeline.shut_down()  # requests not yet in the engine: 503
         self._drain_task = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
@@ -69,6 +71,14 @@ class GracefulServer(uvicorn.Server):
             logger.warning("shutdown deadline reached: aborting %d request(s)", len(jobs))
             await jobs.abort(jobs.ids())
             await _wait_until_empty(jobs, _ABORT_GRACE_S)
+        # What is left never reached the engine (a body still arriving, a template or media
+        # fetch under way): cancelled, each is answered 503 (``api.asgi``) now, not a text/plain
+        # 500 after uvicorn's own grace period.
+        requests = [task for task in self.server_state.tasks if not task.done()]
+        for task in requests:
+            task.cancel()
+        if requests:
+            await asyncio.wait(requests, timeout=_ABORT_GRACE_S)
         self.should_exit = True
 
 

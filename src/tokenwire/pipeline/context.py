@@ -116,6 +116,12 @@ class Pipeline:
     jobs: JobRegistry = field(default_factory=JobRegistry)
     control: ControlState = field(default_factory=ControlState)
 
+    def shut_down(self) -> None:
+        """Refuse every request not yet in the engine (503), from now on and those that wait
+        out SGLang's pause now; requests in the engine go on."""
+        self.shutting_down = True
+        self.control.continued.set()  # held requests look again, and find the server closing
+
     def ready(self, model: str | None = None) -> ModelRuntime:
         """The loaded model for a request naming ``model`` (missing or empty: the served one)."""
         if self.runtime is None or self.shutting_down:

@@ -41,6 +41,7 @@ SGLANG_PAUSE_MODES: dict[str, tuple[str, bool]] = {
 def admit(pipeline: Pipeline) -> None:
     """Refuse a new request while asleep or paused by vLLM's ``abort`` / ``wait``. Under
     SGLang's pause one that got past ``wait_admitted`` queues in the paused engine."""
+    pipeline.ready()  # shutting down: a request not yet in the engine never enters it
     state = pipeline.control
     if state.sleeping:
         raise NotReady("The engine is sleeping; wake it up first")
@@ -54,6 +55,7 @@ async def wait_admitted(pipeline: Pipeline) -> None:
     the client leaves: nothing has started yet. ``admit`` then decides as for any request."""
     state = pipeline.control
     while state.holding:
+        pipeline.ready()  # woken by a shutdown: a 503, not another wait
         if state.held >= pipeline.config.max_held_requests:
             raise NotReady(
                 f"Generation is paused and {state.held} requests already wait for "
