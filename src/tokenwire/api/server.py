@@ -174,9 +174,15 @@ class HttpProtocol(HttpToolsProtocol):
 
     def _headers_late(self) -> None:
         self._header_timer = None
-        if not self.transport.is_closing():
-            message = f"The request headers did not arrive within {self.header_timeout_s:g} s"
-            self._refuse(408, message)
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A pipelined request: an answer now would cut into the one being sent. The
+            # connection closes once that one is done.
+            self.cycle.keep_alive = False
+            return
+        message = f"The request headers did not arrive within {self.header_timeout_s:g} s"
+        self._refuse(408, message)
 
     def _refuse(self, status: int, message: str) -> None:
         """Answer ``status`` with the JSON error body and close the connection."""
