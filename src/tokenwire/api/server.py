@@ -33,6 +33,8 @@ logger = logging.getLogger("tokenwire")
 
 # After aborting, how long the aborted requests get to send their last bytes.
 _ABORT_GRACE_S = 5.0
+# Once the engine is done, how long answers already on their way get before the rest is 503.
+_SETTLE_S = 1.0
 _POLL_S = 0.05
 
 
@@ -71,14 +73,17 @@ class GracefulServer(uvicorn.Server):
             logger.warning("shutdown deadline reached: aborting %d request(s)", len(jobs))
             await jobs.abort(jobs.ids())
             await _wait_until_empty(jobs, _ABORT_GRACE_S)
-        # What is left never reached the engine (a body still arriving, a template or media
-        # fetch under way): cancelled, each is answered 503 (``api.asgi``) now, not a text/plain
-        # 500 after uvicorn's own grace period.
         requests = [task for task in self.server_state.tasks if not task.done()]
-        for task in requests:
-            task.cancel()
         if requests:
-            await asyncio.wait(requests, timeout=_ABORT_GRACE_S)
+            # The answers of jobs that just ended are on their way; what is left after that
+            # never reached the engine (a body still arriving, a template or media fetch under
+            # way): cancelled, each is answered 503 (``api.asgi``) now, not a text/plain 500
+            # after uvicorn's own grace period.
+            _, pending = await asyncio.wait(requests, timeout=_SETTLE_S)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=_ABORT_GRACE_S)
         self.should_exit = True
 
 
