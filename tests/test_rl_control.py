@@ -161,13 +161,13 @@ def test_pause_wait_lets_requests_finish(rl_server: Server, rl: httpx.Client) ->
 
 def test_concurrent_wait_pauses_are_all_answered(rl_server: Server, rl: httpx.Client) -> None:
     """The engine answers every caller pausing (wait) while a request drains, not the last."""
-    stream = Stream(rl_server, [1, 2, 3], max_tokens=40, ignore_eos=True)
+    stream = Stream(rl_server, [1, 2, 3], max_tokens=12, ignore_eos=True)
     stream.wait_for_tokens(1)
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         pausing = [pool.submit(rl.post, "/pause", params={"mode": "wait"}) for _ in range(3)]
-        answers = [ok(p.result(timeout=60)) for p in pausing]
+        answers = [ok(p.result(timeout=120)) for p in pausing]
     assert answers == [{"status": "paused"}] * 3
-    assert stream.final()["finish_reason"] == "length" and len(stream.tokens()) == 40
+    assert stream.final()["finish_reason"] == "length" and len(stream.tokens()) == 12
     ok(rl.post("/resume"))
     # Drained while nothing runs: answered at once.
     assert ok(rl.post("/pause", params={"mode": "wait"})) == {"status": "paused"}
