@@ -71,6 +71,23 @@ class Settings:
     request_read_timeout_s: float = flag(
         60.0, type=float, help="a request body must arrive within this many seconds (else 408)"
     )
+    header_read_timeout_s: float = flag(
+        10.0,
+        type=float,
+        help="a request's headers must arrive within this many seconds (else 408, closed)",
+    )
+    max_connections: int | None = flag(
+        None,
+        type=int,
+        help="open connections at once; more are answered 503 and closed (default: what the "
+        "open-file limit allows, less a reserve)",
+    )
+    send_timeout_s: float = flag(
+        60.0,
+        type=float,
+        help="a client that reads nothing of its response for this many seconds while output "
+        "waits for it is dropped and its request aborted",
+    )
     shutdown_timeout_s: float = flag(
         30.0,
         option="--shutdown-timeout",
@@ -121,6 +138,12 @@ class Settings:
         1024,
         type=int,
         help="requests that may wait out SGLang's /pause_generation at once; more get a 503",
+    )
+    incremental_streaming_output: bool = flag(
+        False,
+        switch=True,
+        help="SGLang /generate streams send deltas (text, output_ids, logprobs), as SGLang's "
+        "flag of that name; without it chunks are cumulative, sent less often as they grow",
     )
     engine: EngineKind = flag(
         "hf",

@@ -23,9 +23,10 @@ def _ignore(_: Any) -> None:
     return None
 
 
-def pause(mode: PauseMode, clear_cache: bool) -> Call[None]:
+def pause(mode: PauseMode, clear_cache: bool) -> Call[bool]:
     params = {"mode": mode, "clear_cache": str(clear_cache).lower()}
-    return Call("POST", "/pause", _ignore, params=params)
+    # "resumed": a resume overtook a "wait" pause while it drained; the server runs.
+    return Call("POST", "/pause", lambda data: data["status"] == "paused", params=params)
 
 
 def resume() -> Call[None]:
@@ -78,10 +79,11 @@ class Control:
     def __init__(self, send: Callable[[Call[Any]], Any]) -> None:
         self._send = send
 
-    def pause(self, mode: PauseMode = "abort", *, clear_cache: bool = False) -> None:
+    def pause(self, mode: PauseMode = "abort", *, clear_cache: bool = False) -> bool:
         """``abort``: in-flight requests end now; ``wait``: they finish first; ``keep``: they
-        freeze and continue on resume (``clear_cache``: recomputed with the new weights)."""
-        self._send(pause(mode, clear_cache))
+        freeze and continue on resume (``clear_cache``: recomputed with the new weights).
+        False when a resume overtook a ``wait`` pause: the server is not paused."""
+        return self._send(pause(mode, clear_cache))
 
     def resume(self) -> None:
         self._send(resume())
@@ -122,8 +124,8 @@ class AsyncControl:
     def __init__(self, send: Callable[[Call[Any]], Awaitable[Any]]) -> None:
         self._send = send
 
-    async def pause(self, mode: PauseMode = "abort", *, clear_cache: bool = False) -> None:
-        await self._send(pause(mode, clear_cache))
+    async def pause(self, mode: PauseMode = "abort", *, clear_cache: bool = False) -> bool:
+        return await self._send(pause(mode, clear_cache))
 
     async def resume(self) -> None:
         await self._send(resume())

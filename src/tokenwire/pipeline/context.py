@@ -34,6 +34,8 @@ class ServingConfig:
     # --max-logprobs as given: -1 means the vocabulary size (see pipeline.logprob_limit).
     max_logprobs: int
     max_held_requests: int  # that may wait out SGLang's /pause_generation at once
+    # SGLang's --incremental-streaming-output: /generate stream chunks carry deltas.
+    incremental_streaming_output: bool
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ServingConfig:
@@ -53,6 +55,7 @@ class ServingConfig:
             max_n=settings.max_n,
             max_logprobs=settings.max_logprobs,
             max_held_requests=settings.max_held_requests,
+            incremental_streaming_output=settings.incremental_streaming_output,
         )
 
     @property
@@ -94,6 +97,8 @@ class ControlState:
     continued: asyncio.Event = field(default_factory=asyncio.Event)
     held: int = 0
     reloads: int = 0  # numbers the versions of reloads that name none
+    # Counts resumes, so a pause that a resume overtook (a "wait" still draining) can say so.
+    resumes: int = 0
 
     @property
     def sleeping(self) -> bool:
@@ -110,6 +115,12 @@ class Pipeline:
     load_error: str | None = None
     jobs: JobRegistry = field(default_factory=JobRegistry)
     control: ControlState = field(default_factory=ControlState)
+
+    def shut_down(self) -> None:
+        """Refuse every request not yet in the engine (503), from now on and those that wait
+        out SGLang's pause now; requests in the engine go on."""
+        self.shutting_down = True
+        self.control.continued.set()  # held requests look again, and find the server closing
 
     def ready(self, model: str | None = None) -> ModelRuntime:
         """The loaded model for a request naming ``model`` (missing or empty: the served one)."""

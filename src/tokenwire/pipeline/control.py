@@ -41,6 +41,7 @@ SGLANG_PAUSE_MODES: dict[str, tuple[str, bool]] = {
 def admit(pipeline: Pipeline) -> None:
     """Refuse a new request while asleep or paused by vLLM's ``abort`` / ``wait``. Under
     SGLang's pause one that got past ``wait_admitted`` queues in the paused engine."""
+    pipeline.ready()  # shutting down: a request not yet in the engine never enters it
     state = pipeline.control
     if state.sleeping:
         raise NotReady("The engine is sleeping; wake it up first")
@@ -54,6 +55,7 @@ async def wait_admitted(pipeline: Pipeline) -> None:
     the client leaves: nothing has started yet. ``admit`` then decides as for any request."""
     state = pipeline.control
     while state.holding:
+        pipeline.ready()  # woken by a shutdown: a 503, not another wait
         if state.held >= pipeline.config.max_held_requests:
             raise NotReady(
                 f"Generation is paused and {state.held} requests already wait for "
@@ -71,18 +73,23 @@ def is_holding(pipeline: Pipeline) -> bool:
     return pipeline.control.holding
 
 
-async def pause(pipeline: Pipeline, mode: str, *, clear_cache: bool = False) -> int:
-    """Pause the engine; return how many requests were in flight."""
+async def pause(pipeline: Pipeline, mode: str, *, clear_cache: bool = False) -> bool:
+    """Pause the engine; return whether it is still paused when the pause is done: a resume
+    may overtake a ``wait`` pause while its requests drain (every concurrent caller is
+    answered then, and told so)."""
     if mode not in PAUSE_MODES:
         raise InvalidRequest(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
     engine = pipeline.ready().engine
     state = pipeline.control
+    resumes = state.resumes
     previous, state.pause_mode = state.pause_mode, mode  # type: ignore[assignment]
     try:
-        return await engine.pause(mode, clear_cache=clear_cache)  # type: ignore[arg-type]
+        await engine.pause(mode, clear_cache=clear_cache)  # type: ignore[arg-type]
     except BaseException:
-        state.pause_mode = previous
+        if state.resumes == resumes:
+            state.pause_mode = previous
         raise
+    return state.resumes == resumes
 
 
 async def pause_generation(pipeline: Pipeline, mode: str) -> None:
@@ -107,6 +114,7 @@ async def pause_generation(pipeline: Pipeline, mode: str) -> None:
 async def resume(pipeline: Pipeline) -> None:
     await pipeline.ready().engine.resume()
     state = pipeline.control
+    state.resumes += 1
     state.pause_mode = None
     state.asleep = frozenset()
     # Last: a held request goes on to ``admit``, which must find the pause over.

@@ -58,8 +58,8 @@ _SGLANG_FLUSHED = (
 
 @router.post("/pause", response_model=StatusResponse)
 async def pause(request: Request, mode: str = "abort", clear_cache: bool = False) -> Response:
-    await control.pause(pipeline_of(request), mode, clear_cache=clear_cache)
-    return OrjsonResponse({"status": "paused"})
+    paused = await control.pause(pipeline_of(request), mode, clear_cache=clear_cache)
+    return OrjsonResponse({"status": "paused" if paused else "resumed"})
 
 
 @router.post("/resume", response_model=StatusResponse)
