@@ -84,6 +84,10 @@ class WeightReceiver:
                         self._runner.copy_weight(name, tensor)
             else:
                 for meta in update.tensors:
+                    weight = self._runner.weights[meta.name].detach()
+                    if weight.dtype == meta.dtype and weight.is_contiguous():
+                        broadcast(weight, group)  # straight into the model: no second copy
+                        continue
                     tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
                     broadcast(tensor, group)
                     self._runner.copy_weight(meta.name, tensor)
