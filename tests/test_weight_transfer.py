@@ -18,12 +18,22 @@ import httpx
 import pytest
 import torch
 
-from tests.conftest import API_KEY, RL_SERVER_ARGS, Server, _start, assert_error, free_port
+from tests.conftest import (
+    API_KEY,
+    RL_SERVER_ARGS,
+    SESSION_ENGINE,
+    Server,
+    _start,
+    assert_error,
+    free_port,
+)
 from tests.test_rl_control import PROMPT, Stream, ok, raw_logprobs, trainer_model
 from tokenwire.assets import prepare
 from tokenwire.weight_transfer import broadcast, dtype_name, join_group, leave_group, pack
 
 GREEDY = {"temperature": 0, "max_tokens": 8, "logprobs": 0}
+# The hf engine receives weights over the group; --engine vllm refuses (the last test).
+hf_engine = pytest.mark.hf_only
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +135,7 @@ def update_info(params: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
     }
 
 
+@hf_engine
 def test_a_trainer_process_updates_two_servers(
     rl_server: Server,
     second_rl_server: Server,
@@ -169,6 +180,7 @@ def test_a_trainer_process_updates_two_servers(
             client.post("/update_weights", json={"weight_dir": str(base_dir)}).raise_for_status()
 
 
+@hf_engine
 def test_trl_bodies_packed_and_skyrl_bodies(
     rl_server: Server, rl: httpx.Client, base_dir: Path, prompt_ids: list[int]
 ) -> None:
@@ -245,6 +257,7 @@ def test_trl_bodies_packed_and_skyrl_bodies(
     assert_parity(greedy(rl, prompt_ids), base_dir, prompt_ids)
 
 
+@hf_engine
 def test_update_weights_from_tensor_takes_safetensors_never_pickles(
     rl: httpx.Client, base_dir: Path, prompt_ids: list[int]
 ) -> None:
@@ -265,6 +278,7 @@ def test_update_weights_from_tensor_takes_safetensors_never_pickles(
     assert greedy(rl, prompt_ids)["finish_reason"] in ("stop", "length")
 
 
+@hf_engine
 def test_a_trainer_killed_mid_broadcast_then_a_complete_update(
     rl_server: Server, rl: httpx.Client, base_dir: Path, prompt_ids: list[int]
 ) -> None:
@@ -304,6 +318,7 @@ def test_a_trainer_killed_mid_broadcast_then_a_complete_update(
     assert_parity(choice, base_dir, prompt_ids)
 
 
+@hf_engine
 def test_refusals(
     rl_server: Server, rl: httpx.Client, base_dir: Path, prompt_ids: list[int]
 ) -> None:
@@ -357,3 +372,13 @@ def test_refusals(
     reload = {"weight_dir": str(base_dir), "weight_version": "reloaded"}
     assert ok(rl.post("/update_weights", json=reload))["weight_version"] == "reloaded"
     assert_parity(greedy(rl, prompt_ids), base_dir, prompt_ids)
+
+
+def test_the_vllm_engine_refuses_with_the_backends_that_work(rl: httpx.Client) -> None:
+    """On --engine vllm the routes answer a 400 naming the working backends (none yet)."""
+    if SESSION_ENGINE["kind"] != "vllm":
+        pytest.skip("the hf engine receives weights (the tests above)")
+    init_info = {"master_address": "127.0.0.1", "master_port": free_port()}
+    init_info |= {"rank_offset": 1, "world_size": 2}
+    response = rl.post("/init_weight_transfer_engine", json={"init_info": init_info})
+    assert_error(response, 400, "backends that work here: none")
