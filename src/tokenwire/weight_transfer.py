@@ -29,6 +29,7 @@ DEFAULT_GROUP_NAME = "weight_update_group"
 
 
 DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_BACKEND = "nccl"  # vLLM's
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +37,7 @@ class WeightTransferConfig:
     """``--weight-transfer-config``: vLLM's ``{"backend": ...}``, plus tokenwire's
     ``timeout_s``: how long joining the group, and each broadcast, may wait for the trainer."""
 
-    backend: str = "nccl"  # vLLM's default
+    backend: str = DEFAULT_BACKEND
     timeout_s: float = DEFAULT_TIMEOUT_S
 
     @classmethod
@@ -51,7 +52,7 @@ class WeightTransferConfig:
         unknown = sorted(set(value) - {"backend", "timeout_s"})
         if unknown:
             raise ValueError(f"unknown keys {unknown}")
-        backend = value.get("backend", cls.backend)
+        backend = value.get("backend", DEFAULT_BACKEND)
         timeout_s = value.get("timeout_s", DEFAULT_TIMEOUT_S)
         if not isinstance(backend, str) or not backend:
             raise ValueError("backend must be a name")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from tokenwire.client.client import Client
 from tokenwire.client.control import PauseMode
 from tokenwire.weight_transfer import (
+    DEFAULT_GROUP_NAME,
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
     DEFAULT_TIMEOUT_S,
@@ -35,9 +36,6 @@ from tokenwire.weight_transfer import (
 
 if TYPE_CHECKING:
     import torch
-
-# vLLM's routes name no group; the servers build theirs under this name (SGLang's default).
-_GROUP_NAME = "weight_update_group"
 
 
 class WeightSenderError(RuntimeError):
@@ -103,7 +101,7 @@ class WeightSender:
             rank=0,
             world_size=world_size,
             backend=self.backend,
-            group_name=_GROUP_NAME,
+            group_name=DEFAULT_GROUP_NAME,  # vLLM's routes name no group: the servers' name
             timeout_s=self.timeout_s,
         )
         # A server that refused never joins: give up then, not after the rendezvous timeout.
