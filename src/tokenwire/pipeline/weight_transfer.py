@@ -168,6 +168,8 @@ async def shutdown(pipeline: Pipeline, group_name: str | None = None) -> None:
             raise InvalidRequest("Cannot release a trainer connection during a weight update")
         if group_name is not None and (state.group is None or state.group.group_name != group_name):
             raise InvalidRequest(f"no weight-transfer group named {group_name!r}", "group_name")
+        if state.group is None:
+            return  # nothing to leave (vLLM's shutdown is a no-op then too)
         await engine.leave_weight_group()
         state.group = None
 
