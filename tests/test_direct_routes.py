@@ -13,6 +13,7 @@ answered by the direct path, not handed on: else the comparison would prove noth
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import re
@@ -23,6 +24,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import numpy as np
 import orjson
 import pydantic_core
 import pytest
@@ -31,6 +33,7 @@ from fastapi.routing import APIRoute
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
+from safetensors.numpy import save
 from starlette.responses import Response
 from starlette.testclient import TestClient
 
@@ -64,11 +67,7 @@ GENERATE_RESPONSE = {
 }
 
 GROUP = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2}
-# {"a": torch.ones(1)}, base64
-SAFETENSORS = (
-    "OAAAAAAAAAB7ImEiOnsiZHR5cGUiOiJGMzIiLCJzaGFwZSI6WzFdLCJkYXRh"
-    "X29mZnNldHMiOlswLDRdfX0gIAAAgD8="
-)
+SAFETENSORS = base64.b64encode(save({"a": np.ones(1, np.float32)})).decode()
 
 # Valid bodies of every direct route (None: no body), sent in this order.
 VALID: dict[Route, list[Any]] = {
