@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from tokenwire.engine.defaults import DEFAULT_PREFIX_CACHE_BYTES
 from tokenwire.engine.factory import ENGINE_KINDS, EngineKind
 from tokenwire.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
+from tokenwire.weight_transfer import WeightTransferConfig
 
 if TYPE_CHECKING:
     from tokenwire.media.policy import MediaPolicy
@@ -40,6 +41,13 @@ class Flag:
 def flag(default: object, **spec: Any) -> Any:
     """A ``Settings`` field with its default and its ``Flag``."""
     return field(default=default, metadata={_FLAG: Flag(**spec)})
+
+
+def _weight_transfer_config(text: str) -> WeightTransferConfig:
+    try:
+        return WeightTransferConfig.parse(text)
+    except ValueError as exc:  # argparse shows only an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +152,12 @@ class Settings:
         switch=True,
         help="SGLang /generate streams send deltas (text, output_ids, logprobs), as SGLang's "
         "flag of that name; without it chunks are cumulative, sent less often as they grow",
+    )
+    weight_transfer_config: WeightTransferConfig | None = flag(
+        None,
+        type=_weight_transfer_config,
+        help='vLLM\'s \'{"backend": "gloo"}\' (with --enable-rl-control): receive weights '
+        "from the trainer's process group; tokenwire's \"timeout_s\" bounds each wait (300)",
     )
     engine: EngineKind = flag(
         "hf",

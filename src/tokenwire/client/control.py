@@ -56,6 +56,27 @@ def update_weights(weight_dir: str, weight_version: str | None) -> Call[str]:
     return Call("POST", "/update_weights", _key("weight_version"), body)
 
 
+def init_weight_transfer_engine(init_info: dict[str, Any]) -> Call[None]:
+    return Call("POST", "/init_weight_transfer_engine", _ignore, {"init_info": init_info})
+
+
+def start_weight_update() -> Call[None]:
+    return Call("POST", "/start_weight_update", _ignore)
+
+
+def receive_weights(update_info: dict[str, Any]) -> Call[None]:
+    return Call("POST", "/update_weights", _ignore, {"update_info": update_info})
+
+
+def finish_weight_update(weight_version: str | None) -> Call[None]:
+    body = {} if weight_version is None else {"weight_version": weight_version}
+    return Call("POST", "/finish_weight_update", _ignore, body)
+
+
+def shutdown_weight_transfer_engine() -> Call[None]:
+    return Call("POST", "/shutdown_weight_transfer_engine", _ignore)
+
+
 def update_weight_version(new_version: str, abort_all_requests: bool) -> Call[None]:
     body = {"new_version": new_version, "abort_all_requests": abort_all_requests}
     return Call("POST", "/update_weight_version", _ignore, body)
@@ -107,6 +128,25 @@ class Control:
     def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> None:
         self._send(update_weight_version(new_version, abort_all_requests))
 
+    # vLLM's weight-transfer phases (``tokenwire.client.weights.WeightSender`` drives them).
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Answers once the trainer and every server joined the group."""
+        self._send(init_weight_transfer_engine(init_info))
+
+    def start_weight_update(self) -> None:
+        self._send(start_weight_update())
+
+    def receive_weights(self, update_info: dict[str, Any]) -> None:
+        """vLLM's ``/update_weights {update_info}``: answers once the broadcast is in."""
+        self._send(receive_weights(update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._send(finish_weight_update(weight_version))
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._send(shutdown_weight_transfer_engine())
+
     def weight_version(self) -> str:
         return self._send(weight_version())
 
@@ -149,6 +189,21 @@ class AsyncControl:
         self, new_version: str, *, abort_all_requests: bool = False
     ) -> None:
         await self._send(update_weight_version(new_version, abort_all_requests))
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        await self._send(init_weight_transfer_engine(init_info))
+
+    async def start_weight_update(self) -> None:
+        await self._send(start_weight_update())
+
+    async def receive_weights(self, update_info: dict[str, Any]) -> None:
+        await self._send(receive_weights(update_info))
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        await self._send(finish_weight_update(weight_version))
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await self._send(shutdown_weight_transfer_engine())
 
     async def weight_version(self) -> str:
         return await self._send(weight_version())

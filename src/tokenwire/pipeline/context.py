@@ -18,6 +18,7 @@ from tokenwire.settings import Settings
 from tokenwire.text.chat_template import ChatTemplate, RequestTemplateWorkers
 from tokenwire.text.token_text import TokenTextDecoder
 from tokenwire.text.tokenizer import Tokenizer
+from tokenwire.weight_transfer import TensorMeta, WeightTransferConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,8 @@ class ServingConfig:
     max_held_requests: int  # that may wait out SGLang's /pause_generation at once
     # SGLang's --incremental-streaming-output: /generate stream chunks carry deltas.
     incremental_streaming_output: bool
+    # --weight-transfer-config; None: vLLM's weight-transfer routes are refused.
+    weight_transfer: WeightTransferConfig | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ServingConfig:
@@ -56,6 +59,7 @@ class ServingConfig:
             max_logprobs=settings.max_logprobs,
             max_held_requests=settings.max_held_requests,
             incremental_streaming_output=settings.incremental_streaming_output,
+            weight_transfer=settings.weight_transfer_config,
         )
 
     @property
@@ -84,6 +88,30 @@ class ModelRuntime:
 
 
 @dataclass(slots=True)
+class TransferGroup:
+    """The open weight-transfer group, as ``init_info`` set it up."""
+
+    group_name: str
+    packed: bool
+    buffer_size_bytes: int
+
+
+@dataclass(slots=True)
+class TransferState:
+    """vLLM's four phases (see ``pipeline.weight_transfer``); one call at a time (``lock``)."""
+
+    group: TransferGroup | None = None
+    updating: bool = False  # between start and finish
+    received: set[str] = field(default_factory=set)  # tensor names of this update so far
+    previous: tuple[TensorMeta, ...] = ()  # what empty update_info lists repeat
+    # Why the weights are broken (an update that broke off or came incomplete): generation is
+    # refused until a complete update or a checkpoint reload.
+    failed: str | None = None
+    paused: bool = False  # the engine pause an update took itself, lifted when it completes
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass(slots=True)
 class ControlState:
     """What the RL control routes set (see ``pipeline.control``); every new request reads it."""
 
@@ -99,6 +127,7 @@ class ControlState:
     reloads: int = 0  # numbers the versions of reloads that name none
     # Counts resumes, so a pause that a resume overtook (a "wait" still draining) can say so.
     resumes: int = 0
+    transfer: TransferState = field(default_factory=TransferState)
 
     @property
     def sleeping(self) -> bool:

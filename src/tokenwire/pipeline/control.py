@@ -43,6 +43,11 @@ def admit(pipeline: Pipeline) -> None:
     SGLang's pause one that got past ``wait_admitted`` queues in the paused engine."""
     pipeline.ready()  # shutting down: a request not yet in the engine never enters it
     state = pipeline.control
+    if state.transfer.failed is not None:
+        raise NotReady(
+            f"The weights are not whole ({state.transfer.failed}); generation waits for a "
+            "complete weight update or a checkpoint reload"
+        )
     if state.sleeping:
         raise NotReady("The engine is sleeping; wake it up first")
     if state.pause_mode in ("abort", "wait") and not state.holding:
@@ -112,6 +117,22 @@ async def pause_generation(pipeline: Pipeline, mode: str) -> None:
 
 
 async def resume(pipeline: Pipeline) -> None:
+    """Resume, unless new weights are half in: then the answer says what completes them."""
+    transfer = pipeline.control.transfer
+    if transfer.failed is not None:
+        raise InvalidRequest(
+            f"not resumed: the weights are not whole ({transfer.failed}); send a complete "
+            "weight update or reload a checkpoint first"
+        )
+    if transfer.updating:
+        raise InvalidRequest(
+            "not resumed: a weight update is in progress; /finish_weight_update first"
+        )
+    await end_pause(pipeline)
+
+
+async def end_pause(pipeline: Pipeline) -> None:
+    """Resume without the checks of ``resume`` (a weight update lifting its own pause)."""
     await pipeline.ready().engine.resume()
     state = pipeline.control
     state.resumes += 1
@@ -224,39 +245,20 @@ async def load_weights(
     except EngineError as exc:
         raise InvalidRequest(f"weights not loaded: {exc}", "weight_dir") from exc
     state.reloads += 1
+    await weights_whole(pipeline)
     return version
 
 
-async def update_weights(
-    pipeline: Pipeline,
-    weight_dir: str | None,
-    version: str | None,
-    update_info: dict[str, Any] | None,
-) -> str:
-    """``/update_weights``: prime-rl's form loads ``weight_dir``; vLLM's (``update_info``) needs
-    the weight-transfer engine, which is not initialised here yet. Return the new version."""
-    if weight_dir is not None and update_info is not None:
-        raise InvalidRequest(
-            "update_info: send weight_dir (prime-rl's form) or update_info (vLLM's), not both",
-            "update_info",
-        )
-    if update_info is not None:
-        raise InvalidRequest(
-            "update_info: the weight-transfer engine is not initialised (vLLM's form of "
-            "/update_weights receives tensors over the group that POST "
-            "/init_weight_transfer_engine sets up, which this server does not serve yet); to "
-            'load a checkpoint directory send prime-rl\'s {"weight_dir": ..., '
-            '"weight_version": ...}',
-            "update_info",
-        )
-    if weight_dir is None:
-        raise InvalidRequest(
-            'weight_dir: Field required: /update_weights takes prime-rl\'s {"weight_dir": ..., '
-            '"weight_version"?} (a checkpoint directory) or vLLM\'s {"update_info": ...} '
-            "(after POST /init_weight_transfer_engine)",
-            "weight_dir",
-        )
-    return await load_weights(pipeline, weight_dir, version)
+async def weights_whole(pipeline: Pipeline) -> None:
+    """Every weight was just replaced (a checkpoint, or a complete transfer): an update that
+    broke off is mended, and the pause a weight update took is lifted."""
+    transfer = pipeline.control.transfer
+    transfer.failed = None
+    transfer.updating = False
+    transfer.received = set()
+    if transfer.paused:
+        transfer.paused = False
+        await end_pause(pipeline)
 
 
 async def set_weight_version(

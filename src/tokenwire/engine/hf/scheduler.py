@@ -38,6 +38,7 @@ from tokenwire.engine.hf.handoff import (
     Add,
     Command,
     Emits,
+    NewWeights,
     Pause,
     Reply,
     Request,
@@ -45,7 +46,6 @@ from tokenwire.engine.hf.handoff import (
     Resume,
     SetVersion,
     Stop,
-    SwapWeights,
     deliver,
 )
 from tokenwire.engine.hf.prefix_cache import BLOCK_TOKENS, LayerKV, PrefixCache, block_keys
@@ -143,7 +143,7 @@ class Scheduler:
                 break
             if isinstance(cmd, Add):
                 emits.append((cmd.request.sink, self._output([], "abort")))
-            elif isinstance(cmd, Pause | Resume | SwapWeights | SetVersion | ResetPrefixCache):
+            elif isinstance(cmd, Pause | Resume | NewWeights | SetVersion | ResetPrefixCache):
                 cmd.reply.send(EngineError("the engine is shutting down"))
         deliver(emits)
 
@@ -187,16 +187,20 @@ class Scheduler:
             self.paused = False
             self._finish_drain(force=True)
             cmd.reply.send(None)
-        elif isinstance(cmd, SwapWeights):
+        elif isinstance(cmd, NewWeights):
             try:
-                self.runner.swap_weights(cmd.tensors)
-            except Exception as exc:  # the old weights stay
+                cmd.load()
+            except Exception as exc:  # a refused checkpoint, or a broadcast that broke off
                 cmd.reply.send(exc)
                 return
-            self.weight_version = cmd.version
-            self.prefix.clear()  # KV of the old weights must not serve new requests
-            for req in self.running:
-                req.stale_kv = True
+            finally:
+                # Even a broken-off broadcast may have changed some weights: KV of the old
+                # ones must not serve new requests.
+                self.prefix.clear()
+                for req in self.running:
+                    req.stale_kv = True
+            if cmd.version is not None:
+                self.weight_version = cmd.version
             cmd.reply.send(None)
         elif isinstance(cmd, ResetPrefixCache):
             self.prefix.clear()
