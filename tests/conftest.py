@@ -145,7 +145,11 @@ QWEN3_SERVER_ARGS = [
     "--request-read-timeout-s",
     "3",
 ]
-RL_SERVER_ARGS = ["--enable-rl-control", "--max-logprobs", "-1", "--max-held-requests", "2"]
+RL_SERVER_ARGS = [
+    *("--enable-rl-control", "--max-logprobs", "-1", "--max-held-requests", "2"),
+    # weights from a trainer's group; a broken-off broadcast fails within 20 s
+    *("--weight-transfer-config", '{"backend": "gloo", "timeout_s": 20}'),
+]
 
 
 def free_port() -> int:

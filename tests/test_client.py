@@ -137,7 +137,7 @@ def test_control_routes(rl_server: Server, qwen3_server: Server) -> None:
     with Client(rl_server.url, api_key=API_KEY) as client:
         control = client.control
         assert control.load() == 0
-        control.pause("keep")
+        assert control.pause("keep") is True
         assert control.is_paused() is True
         control.update_weight_version("named", abort_all_requests=False)
         assert control.weight_version() == "named"

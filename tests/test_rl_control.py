@@ -6,6 +6,7 @@ control routes' shapes, bad input and SGLang's /generate are in ``test_fast_cont
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
 import os
@@ -158,6 +159,21 @@ def test_pause_wait_lets_requests_finish(rl_server: Server, rl: httpx.Client) ->
     assert stream.final()["finish_reason"] == "length"
     assert len(stream.tokens()) == 12
     assert generate(rl, [1, 2, 3], max_tokens=2).status_code == 503
+    ok(rl.post("/resume"))
+
+
+def test_concurrent_wait_pauses_are_all_answered(rl_server: Server, rl: httpx.Client) -> None:
+    """The engine answers every caller pausing (wait) while a request drains, not the last."""
+    stream = Stream(rl_server, [1, 2, 3], max_tokens=12, ignore_eos=True)
+    stream.wait_for_tokens(1)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        pausing = [pool.submit(rl.post, "/pause", params={"mode": "wait"}) for _ in range(3)]
+        answers = [ok(p.result(timeout=120)) for p in pausing]
+    assert answers == [{"status": "paused"}] * 3
+    assert stream.final()["finish_reason"] == "length" and len(stream.tokens()) == 12
+    ok(rl.post("/resume"))
+    # Drained while nothing runs: answered at once.
+    assert ok(rl.post("/pause", params={"mode": "wait"})) == {"status": "paused"}
     ok(rl.post("/resume"))
 
 

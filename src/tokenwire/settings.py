@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from tokenwire.engine.defaults import DEFAULT_PREFIX_CACHE_BYTES
 from tokenwire.engine.factory import ENGINE_KINDS, EngineKind
 from tokenwire.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
+from tokenwire.weight_transfer import WeightTransferConfig
 
 if TYPE_CHECKING:
     from tokenwire.media.policy import MediaPolicy
@@ -40,6 +41,13 @@ class Flag:
 def flag(default: object, **spec: Any) -> Any:
     """A ``Settings`` field with its default and its ``Flag``."""
     return field(default=default, metadata={_FLAG: Flag(**spec)})
+
+
+def _weight_transfer_config(text: str) -> WeightTransferConfig:
+    try:
+        return WeightTransferConfig.parse(text)
+    except ValueError as exc:  # argparse shows only an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +78,23 @@ class Settings:
     max_request_bytes: int = flag(64 * 2**20, type=int)
     request_read_timeout_s: float = flag(
         60.0, type=float, help="a request body must arrive within this many seconds (else 408)"
+    )
+    header_read_timeout_s: float = flag(
+        10.0,
+        type=float,
+        help="a request's headers must arrive within this many seconds (else 408, closed)",
+    )
+    max_connections: int | None = flag(
+        None,
+        type=int,
+        help="open connections at once; more are answered 503 and closed (default: what the "
+        "open-file limit allows, less a reserve)",
+    )
+    send_timeout_s: float = flag(
+        60.0,
+        type=float,
+        help="a client that reads nothing of its response for this many seconds while output "
+        "waits for it is dropped and its request aborted",
     )
     shutdown_timeout_s: float = flag(
         30.0,
@@ -135,6 +160,18 @@ class Settings:
         1024,
         type=int,
         help="requests that may wait out SGLang's /pause_generation at once; more get a 503",
+    )
+    incremental_streaming_output: bool = flag(
+        False,
+        switch=True,
+        help="SGLang /generate streams send deltas (text, output_ids, logprobs), as SGLang's "
+        "flag of that name; without it chunks are cumulative, sent less often as they grow",
+    )
+    weight_transfer_config: WeightTransferConfig | None = flag(
+        None,
+        type=_weight_transfer_config,
+        help='vLLM\'s \'{"backend": "gloo"}\' (with --enable-rl-control): receive weights '
+        "from the trainer's process group; tokenwire's \"timeout_s\" bounds each wait (300)",
     )
     engine: EngineKind = flag(
         "hf",

@@ -70,7 +70,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         try:
             yield
         finally:
-            pipeline.shutting_down = True
+            pipeline.shut_down()
             loading.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await loading

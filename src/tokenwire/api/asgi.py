@@ -86,6 +86,12 @@ class FrontMiddleware:
 
         try:
             await self._handle(scope, receive, front_send)
+        except asyncio.CancelledError:
+            # Only the server's shutdown cancels a request (a client leaving does not): one
+            # not answered yet gets the JSON 503 of every request refused at shutdown.
+            if status:
+                raise
+            await error_response(503, "The server is shutting down")(scope, receive, front_send)
         except Exception as exc:
             if status:
                 raise

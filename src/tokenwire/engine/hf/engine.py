@@ -11,7 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,9 @@ from tokenwire.engine.base import (
     EngineStats,
     PauseMode,
     SamplingParams,
+    WeightGroup,
     WeightsError,
+    WeightUpdate,
 )
 from tokenwire.engine.defaults import DEFAULT_PREFIX_CACHE_BYTES
 from tokenwire.engine.hf.checkpoint import read_checkpoint
@@ -33,6 +35,7 @@ from tokenwire.engine.hf.handoff import (
     Add,
     Command,
     LoadAdapter,
+    NewWeights,
     Pause,
     Reply,
     Request,
@@ -41,13 +44,14 @@ from tokenwire.engine.hf.handoff import (
     SetVersion,
     Sink,
     Stop,
-    SwapWeights,
     UnloadAdapter,
 )
 from tokenwire.engine.hf.multimodal import RequestMedia, VisionSpec, check_media
 from tokenwire.engine.hf.prefix_cache import salt_key
 from tokenwire.engine.hf.runner import ModelRunner
 from tokenwire.engine.hf.scheduler import Scheduler
+from tokenwire.engine.hf.weight_receiver import WeightReceiver
+from tokenwire.weight_transfer import TensorMeta
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +166,7 @@ class HFEngine:
             max_model_len=self.max_model_len,
             prefix_cache_bytes=prefix_cache_bytes,
         )
+        self._receiver = WeightReceiver(self._runner)
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
@@ -300,7 +305,42 @@ class HFEngine:
         tensors = await asyncio.to_thread(
             read_checkpoint, Path(weight_dir), allow_nonfinite=self.allow_nonfinite_weights
         )
-        await self._command(lambda reply: SwapWeights(tensors, version, reply))
+        runner = self._runner
+        await self._command(
+            lambda reply: NewWeights(lambda: runner.swap_weights(tensors), version, reply)
+        )
+
+    # -- weight transfer ----------------------------------------------------------------------
+
+    def weight_transfer_backends(self) -> tuple[str, ...]:
+        return self._receiver.backends()
+
+    async def join_weight_group(self, group: WeightGroup) -> None:
+        """Off the engine thread: requests go on while the trainer gathers its ranks."""
+        await asyncio.to_thread(self._receiver.join, group)
+
+    async def leave_weight_group(self) -> None:
+        await asyncio.to_thread(self._receiver.leave)
+
+    def check_weight_update(self, tensors: Sequence[TensorMeta]) -> None:
+        self._runner.check_weights((t.name, t.dtype, t.shape) for t in tensors)
+
+    async def receive_weights(self, update: WeightUpdate) -> None:
+        receiver = self._receiver
+        await self._command(lambda reply: NewWeights(lambda: receiver.receive(update), None, reply))
+
+    def missing_weights(self, given: Collection[str]) -> list[str]:
+        return self._runner.missing_weights(given)
+
+    async def copy_weights(self, tensors: dict[str, Any]) -> None:
+        runner = self._runner
+        runner.check_weights((name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
+
+        def copy() -> None:
+            for name, tensor in tensors.items():
+                runner.copy_weight(name, tensor)
+
+        await self._command(lambda reply: NewWeights(copy, None, reply))
 
     async def set_weight_version(self, version: str) -> None:
         await self._command(lambda reply: SetVersion(version, reply))
@@ -336,6 +376,7 @@ class HFEngine:
             return
         self._inbox.put(Stop())
         await asyncio.to_thread(thread.join)
+        await self.leave_weight_group()
         self._thread = None
 
     def _run(self) -> None:

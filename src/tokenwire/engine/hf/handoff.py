@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,11 +133,13 @@ class Resume:
 
 
 @dataclass(slots=True)
-class SwapWeights:
-    """New weights read off the engine thread; validated and copied in between steps."""
+class NewWeights:
+    """Weights to put into the model between steps: ``load`` runs on the engine thread (a
+    checkpoint read off it and copied in, or a broadcast received); ``version`` (None: kept)
+    names them once ``load`` returns."""
 
-    tensors: dict[str, Any]
-    version: str
+    load: Callable[[], None]
+    version: str | None
     reply: Reply
 
 
@@ -171,7 +174,7 @@ Command = (
     | Stop
     | Pause
     | Resume
-    | SwapWeights
+    | NewWeights
     | SetVersion
     | ResetPrefixCache
     | LoadAdapter

@@ -42,6 +42,7 @@ from tokenwire.engine.hf.handoff import (
     Command,
     Emits,
     LoadAdapter,
+    NewWeights,
     Pause,
     Reply,
     Request,
@@ -49,7 +50,6 @@ from tokenwire.engine.hf.handoff import (
     Resume,
     SetVersion,
     Stop,
-    SwapWeights,
     UnloadAdapter,
     deliver,
 )
@@ -99,8 +99,8 @@ class Scheduler:
         self.prefix = PrefixCache(prefix_cache_bytes)
         self.stopping = False
         self.paused = False
-        # A "wait" pause answered once the requests in flight have finished.
-        self._drain_reply: Reply | None = None
+        # "wait" pauses (every concurrent caller's) answered once the requests in flight finish.
+        self._drain_replies: list[Reply] = []
         self._drain_count = 0
         # Set by a prefill; the busy -> idle edge then frees what the peak batch held.
         self._memory_to_release = False
@@ -223,7 +223,9 @@ class Scheduler:
             if cmd.mode == "abort":
                 self._abort_all(emits)
             elif cmd.mode == "wait" and in_flight:
-                self._drain_reply, self._drain_count = cmd.reply, in_flight
+                if not self._drain_replies:
+                    self._drain_count = in_flight
+                self._drain_replies.append(cmd.reply)
                 return
             if cmd.clear_cache:  # as vLLM's clear_cache: the prefix cache goes too
                 self._recompute_running(emits)
@@ -234,16 +236,20 @@ class Scheduler:
             self.paused = False
             self._finish_drain(force=True)
             cmd.reply.send(None)
-        elif isinstance(cmd, SwapWeights):
+        elif isinstance(cmd, NewWeights):
             try:
-                self.runner.swap_weights(cmd.tensors)
-            except Exception as exc:  # the old weights stay
+                cmd.load()
+            except Exception as exc:  # a refused checkpoint, or a broadcast that broke off
                 cmd.reply.send(exc)
                 return
-            self.weight_version = cmd.version
-            self.prefix.clear()  # KV of the old weights must not serve new requests
-            for req in self.running:
-                req.stale_kv = True
+            finally:
+                # Even a broken-off broadcast may have changed some weights: KV of the old
+                # ones must not serve new requests.
+                self.prefix.clear()
+                for req in self.running:
+                    req.stale_kv = True
+            if cmd.version is not None:
+                self.weight_version = cmd.version
             cmd.reply.send(None)
         elif isinstance(cmd, LoadAdapter):
             try:
@@ -263,13 +269,13 @@ class Scheduler:
             cmd.reply.send(None)
 
     def _finish_drain(self, *, force: bool = False) -> None:
-        """Answer a "wait" pause once nothing is in flight (or a resume came first)."""
-        reply = self._drain_reply
-        if reply is None or not (force or not (self.running or self.waiting)):
+        """Answer the "wait" pauses once nothing is in flight (or a resume came first)."""
+        if not self._drain_replies or not (force or not (self.running or self.waiting)):
             return
-        self._drain_reply = None
+        replies, self._drain_replies = self._drain_replies, []
         self.paused = not force
-        reply.send(self._drain_count)
+        for reply in replies:
+            reply.send(self._drain_count)
 
     def _recompute_running(self, emits: Emits) -> None:
         """Drop the running rows' KV: they prefill prompt + output again on resume (with the

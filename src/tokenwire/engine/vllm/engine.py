@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +23,20 @@ from tokenwire.engine.base import (
     EngineStats,
     PauseMode,
     SamplingParams,
+    WeightGroup,
     WeightsError,
+    WeightUpdate,
 )
 from tokenwire.engine.vllm.config import engine_args, sampling_params
 from tokenwire.engine.vllm.outputs import OutputState
 from tokenwire.engine.vllm.weights import check_fits, checkpoint_layout
+from tokenwire.weight_transfer import TensorMeta
 
 logger = logging.getLogger(__name__)
+_NO_TRANSFER = (
+    "the vllm engine does not receive weights in memory here; load a checkpoint directory "
+    "(/update_weights {weight_dir}) or serve with --engine hf (backend gloo)"
+)
 
 
 class VLLMEngine:
@@ -258,6 +265,32 @@ class VLLMEngine:
         self._require_running()
         request, _ = self._adapters.pop(name)
         await self._llm.remove_lora(request.lora_int_id)
+
+    # -- weight transfer: not on this engine yet (see docs/api.md) ---------------------------
+    # vLLM's own transfer engines (nccl, ipc) need CUDA, and a gloo one registered with its
+    # factory would have to be registered inside vLLM's worker processes; tokenwire routes
+    # neither yet, so the pipeline refuses the routes (400) before any of these is reached.
+
+    def weight_transfer_backends(self) -> tuple[str, ...]:
+        return ()
+
+    async def join_weight_group(self, group: WeightGroup) -> None:
+        raise EngineError(_NO_TRANSFER)
+
+    async def leave_weight_group(self) -> None:
+        return None
+
+    def check_weight_update(self, tensors: Sequence[TensorMeta]) -> None:
+        raise EngineError(_NO_TRANSFER)
+
+    async def receive_weights(self, update: WeightUpdate) -> None:
+        raise EngineError(_NO_TRANSFER)
+
+    def missing_weights(self, given: Collection[str]) -> list[str]:
+        raise EngineError(_NO_TRANSFER)
+
+    async def copy_weights(self, tensors: dict[str, Any]) -> None:
+        raise EngineError(_NO_TRANSFER)
 
     def _require_running(self) -> None:
         if not self.is_ready():
