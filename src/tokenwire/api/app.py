@@ -144,6 +144,8 @@ async def _load_runtime(
                 extra_args=settings.engine_args,
                 prefix_cache_bytes=settings.prefix_cache_bytes,
                 max_logprobs=settings.max_logprobs,
+                max_num_batched_tokens=settings.max_num_batched_tokens,
+                engine_threads=settings.engine_threads,
             )
         await engine.start()
     except asyncio.CancelledError:
