@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import queue
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,9 @@ from tests.test_engine_hf import Result, assert_parity, chat, collect, full_logp
 from tokenwire.assets import prepare
 from tokenwire.engine.base import SamplingParams
 from tokenwire.engine.hf import HFEngine
+from tokenwire.engine.hf.handoff import Reply, Request, Sink, SwapWeights
+from tokenwire.engine.hf.runner import ModelRunner
+from tokenwire.engine.hf.scheduler import Scheduler
 
 pytestmark = [pytest.mark.hf_only, pytest.mark.model]
 
@@ -146,3 +150,49 @@ def test_a_prefill_flood_never_leaves_running_rows_undecoded() -> None:
         assert progress["during_flood"] >= 2 * 6 * math.ceil(1000 / 64)
     finally:
         run(eng.shutdown())
+
+
+def test_new_weights_restart_a_chunked_prefill_under_way() -> None:
+    """KV of the old weights must not serve a prompt: a prefill part-way through its chunks when
+    new weights arrive starts over, and samples what an uninterrupted prefill samples."""
+    model_dir = Path(prepare("qwen3-tiny"))
+    runner = ModelRunner(
+        model_dir, vision=None, vocab_size=0, max_num_seqs=4, device="cpu", dtype=None, threads=1
+    )
+    runner.load()
+    weights = {k: v.clone() for k, v in runner.model.state_dict().items()}
+    scheduler = Scheduler(
+        runner,
+        queue.SimpleQueue(),
+        max_num_seqs=4,
+        max_model_len=4096,
+        prefix_cache_bytes=0,
+        max_num_batched_tokens=64,
+    )
+    loop = asyncio.new_event_loop()  # never run: outputs and replies queue up unread
+    prompt = [(5 * t) % 3000 + 10 for t in range(200)]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+    def generate(rid: str, swap_after: int | None) -> list[int]:
+        req = Request(rid, prompt, params, Sink(loop, asyncio.Queue()))
+        scheduler.waiting.append(req)
+        with torch.inference_mode():
+            for step in range(50):
+                if step == swap_after:
+                    assert req.progress is not None and req.progress.done == 2 * 64
+                    scheduler._control(
+                        SwapWeights(weights, "v2", Reply(loop, loop.create_future())), []
+                    )
+                    assert req.progress is None
+                if scheduler.waiting:
+                    scheduler._prefill_step([])
+                elif scheduler.running:
+                    scheduler._decode_step([])
+                else:
+                    return req.output
+        raise AssertionError("the request did not finish")
+
+    try:
+        assert generate("straight", None) == generate("restarted", 2)
+    finally:
+        loop.close()
