@@ -15,7 +15,8 @@ wall time does not. The limit: an in-process static ``model.generate`` batch of 
 (left-padded, 128 new tokens) on as many torch threads as the hf engine's, its own CPU per token
 measured the same way.
 
-Usage: ``python bench/bench_engines.py [--vllm-python .venv-vllm/bin/python] [--only 32x128]``.
+Usage: ``python bench/bench_engines.py [--vllm-python .venv-vllm/bin/python] [--only 32x128]
+[--src OTHER_TREE/src]`` (``--src``: serve another tree, e.g. a branch point, to compare).
 """
 
 from __future__ import annotations
@@ -185,13 +186,15 @@ def main() -> None:
     parser.add_argument("--vllm-python", type=Path, help="the .venv-vllm interpreter")
     parser.add_argument("--only", help="comma-separated workloads (default: all)")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-limit", action="store_true", help="no static batch")
+    parser.add_argument("--src", type=Path, default=SRC, help="the tree the servers run")
     args = parser.parse_args()
     model_dir = Path(prepare(MODEL))
     prompts = chat_prompts(model_dir, 64)
     chosen = workloads(prompts)
     if args.only:
         chosen = {k: v for k, v in chosen.items() if k in args.only.split(",")}
-    env = {**os.environ, "PYTHONPATH": f"{SRC}:{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "PYTHONPATH": f"{args.src}:{os.environ.get('PYTHONPATH', '')}"}
     servers: dict[str, tuple[list[str], dict[str, str]]] = {}
     flags = ["--dtype", "float32", "--model", MODEL, "--max-num-seqs", "64"]
     if not args.skip_hf:
@@ -206,10 +209,11 @@ def main() -> None:
         print(f"{name}:")
         port = free_port()
         results[name] = measure_server([*command, "--port", str(port)], port, server_env, chosen)
-    limit = static_batch(model_dir, prompts[:32])
+    limit = None if args.skip_limit else static_batch(model_dir, prompts[:32])
     print(f"\nload average {load:.1f} -> {os.getloadavg()[0]:.1f}")
-    rate, cost = limit[0], limit[1] * 1000
-    print(f"static generate batch of 32 x 128: {rate:.1f} tok/s, {cost:.1f} ms CPU/token")
+    if limit is not None:
+        rate, cost = limit[0], limit[1] * 1000
+        print(f"static generate batch of 32 x 128: {rate:.1f} tok/s, {cost:.1f} ms CPU/token")
     names = list(results)
     print("| workload | " + " | ".join(f"{n} tok/s | {n} ms CPU/token" for n in names) + " |")
     print("| --- |" + " ---: | ---: |" * len(names))
@@ -220,7 +224,7 @@ def main() -> None:
         for work in chosen:
             hf, vl = results["tw-hf"][work], results["tw-vllm"][work]
             print(f"{work}: hf/vllm CPU per token {hf[1] / vl[1]:.2f}x, tok/s {hf[0] / vl[0]:.2f}x")
-    if "tw-hf" in results and "32x128" in chosen:
+    if limit is not None and "tw-hf" in results and "32x128" in chosen:
         print(f"32x128: hf / static batch tok/s {results['tw-hf']['32x128'][0] / limit[0]:.2f}x")
 
 
