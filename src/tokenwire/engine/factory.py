@@ -26,13 +26,15 @@ def create_engine(
     max_logprobs: int = 20,
     max_num_batched_tokens: int | None = None,
     engine_threads: int | None = None,
+    allow_nonfinite_weights: bool = False,
 ) -> Engine:
     """An unstarted engine of ``kind``; ``extra_args`` are vLLM engine flags (vllm only).
 
     ``prefix_cache_bytes`` budgets the hf engine's prefix cache (0: off);
     vLLM sizes its own (``--enable-prefix-caching`` and its KV cache flags).
     ``max_logprobs`` is ``--max-logprobs``, which vLLM's engine checks again itself (the hf
-    engine serves any count the pipeline admits).
+    engine serves any count the pipeline admits). ``allow_nonfinite_weights`` lets the hf
+    engine load a checkpoint holding NaN or infinity (vLLM's loader reads its own).
     ``max_num_batched_tokens`` is ``--max-num-batched-tokens`` (None: the engine's default);
     ``engine_threads`` the hf engine's torch threads (None: ``default_engine_threads()``).
     """
@@ -63,4 +65,5 @@ def create_engine(
         prefix_cache_bytes=prefix_cache_bytes,
         max_num_batched_tokens=max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
         threads=engine_threads,
+        allow_nonfinite_weights=allow_nonfinite_weights,
     )

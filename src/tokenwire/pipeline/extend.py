@@ -77,8 +77,9 @@ async def extend_chat(pipeline: Pipeline, body: ExtendRequest) -> dict[str, Any]
     if chat_media_refs([*body.previous_messages, *body.messages]):
         raise InvalidRequest(NO_MEDIA, "messages")
     check_token_ids(runtime, body.previous_token_ids, "previous_token_ids")
-    size = sum(len(str(m.content or "")) for m in [*body.previous_messages, *body.messages])
     renders = await _renders(pipeline, runtime, body)
+    # Its work is comparing and encoding the renders (tools included), not only the messages.
+    size = len(renders.full)
     result = await run_text_work(size, lambda: extend_ids(pipeline, runtime, body, renders))
     prompt = chat_request_prompt(
         pipeline, runtime, body, result.token_ids, param="previous_token_ids"
