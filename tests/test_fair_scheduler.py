@@ -17,7 +17,7 @@ from tests.test_engine_hf import Result, assert_parity, chat, collect, full_logp
 from tokenwire.assets import prepare
 from tokenwire.engine.base import SamplingParams
 from tokenwire.engine.hf import HFEngine
-from tokenwire.engine.hf.handoff import Reply, Request, Sink, SwapWeights
+from tokenwire.engine.hf.handoff import NewWeights, Reply, Request, Sink
 from tokenwire.engine.hf.runner import ModelRunner
 from tokenwire.engine.hf.scheduler import Scheduler
 
@@ -180,9 +180,12 @@ def test_new_weights_restart_a_chunked_prefill_under_way() -> None:
             for step in range(50):
                 if step == swap_after:
                     assert req.progress is not None and req.progress.done == 2 * 64
-                    scheduler._control(
-                        SwapWeights(weights, "v2", Reply(loop, loop.create_future())), []
+                    swap = NewWeights(
+                        lambda: runner.swap_weights(weights),
+                        "v2",
+                        Reply(loop, loop.create_future()),
                     )
+                    scheduler._control(swap, [])
                     assert req.progress is None
                 if scheduler.waiting:
                     scheduler._prefill_step([])
