@@ -13,7 +13,7 @@ from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tokenwire.engine.defaults import DEFAULT_PREFIX_CACHE_BYTES
+from tokenwire.engine.defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_PREFIX_CACHE_BYTES
 from tokenwire.engine.factory import ENGINE_KINDS, EngineKind
 from tokenwire.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
 from tokenwire.weight_transfer import WeightTransferConfig
@@ -117,6 +117,13 @@ class Settings:
         type=int,
         help="KV the hf engine keeps to reuse repeated prompt prefixes (0: off)",
     )
+    max_num_batched_tokens: int | None = flag(
+        None,
+        type=int,
+        help=f"prompt tokens one prefill forward may hold; longer prompts prefill in chunks "
+        f"that take turns with decode steps (hf: default {DEFAULT_MAX_NUM_BATCHED_TOKENS}; "
+        f"vllm: vLLM's default)",
+    )
     reasoning_parser: str | None = flag(None, choices=REASONING_PARSER_NAMES)
     tool_call_parser: str | None = flag(None, choices=TOOL_PARSER_NAMES)
     enable_auto_tool_choice: bool = flag(False, switch=True)
@@ -134,6 +141,11 @@ class Settings:
         help="pixels one request may make the server decode (read from image headers first)",
     )
     device: str | None = flag(None, help="cpu or cuda (default: cuda if present)")
+    engine_threads: int | None = flag(
+        None,
+        type=int,
+        help="torch threads of the hf engine (default: the usable cores but one, at least 1)",
+    )
     enable_rl_control: bool = flag(
         False, switch=True, help="serve pause/resume, weight reload and weight version routes"
     )
@@ -267,6 +279,10 @@ def settings_from_args(args: argparse.Namespace, engine_args: Sequence[str] = ()
         raise ValueError("--prefix-cache-bytes must be >= 0 (0 turns the prefix cache off)")
     if values.get("max_logprobs", 0) < -1:
         raise ValueError("--max-logprobs must be >= -1 (-1: the vocabulary size)")
+    if values.get("max_num_batched_tokens") is not None and values["max_num_batched_tokens"] < 1:
+        raise ValueError("--max-num-batched-tokens must be >= 1")
+    if values.get("engine_threads") is not None and values["engine_threads"] < 1:
+        raise ValueError("--engine-threads must be >= 1")
     if values.get("max_held_requests", 0) < 0:
         raise ValueError("--max-held-requests must be >= 0")
     return Settings(**values, engine_args=tuple(engine_args))

@@ -152,6 +152,8 @@ async def _load_runtime(
                 extra_args=settings.engine_args,
                 prefix_cache_bytes=settings.prefix_cache_bytes,
                 max_logprobs=settings.max_logprobs,
+                max_num_batched_tokens=settings.max_num_batched_tokens,
+                engine_threads=settings.engine_threads,
                 allow_nonfinite_weights=settings.allow_nonfinite_weights,
             )
         await engine.start()

@@ -27,6 +27,16 @@ class Sink:
 
 
 @dataclass(slots=True)
+class PrefillProgress:
+    """A context prefilled one chunk per step, between chunks: the request waits at the head
+    of the queue with its own cache of the first ``done`` context tokens."""
+
+    cache: Any  # a DynamicCache, one row, no padding
+    done: int
+    scores: Any  # the runner's PromptScores so far, when the request scores its prompt
+
+
+@dataclass(slots=True)
 class Request:
     """A request as the engine thread tracks it."""
 
@@ -53,6 +63,8 @@ class Request:
     salt: bytes = b""  # ``prefix_cache.salt_key`` of its cache_salt
     # New weights came in after its prefill: its KV mixes two weight versions, keep none of it.
     stale_kv: bool = False
+    # A prompt longer than one prefill forward, part-way through (see ``PrefillProgress``).
+    progress: PrefillProgress | None = None
 
     @property
     def context(self) -> list[int]:

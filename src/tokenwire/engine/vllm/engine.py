@@ -56,6 +56,7 @@ class VLLMEngine:
         dtype: str | None = None,
         extra_args: Sequence[str] = (),
         max_logprobs: int = 20,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.model_name = self.model_dir.name
@@ -65,6 +66,7 @@ class VLLMEngine:
             "dtype": dtype,
             "extra": extra_args,
             "max_logprobs": max_logprobs,
+            "max_num_batched_tokens": max_num_batched_tokens,
         }
         self.max_model_len = max_model_len or 0  # vLLM's value once started
         self.vocab_size = 0
@@ -94,6 +96,7 @@ class VLLMEngine:
                 dtype=self._options["dtype"],
                 extra=self._options["extra"],
                 max_logprobs=self._options["max_logprobs"],
+                max_num_batched_tokens=self._options["max_num_batched_tokens"],
             )
             self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         except Exception as exc:
