@@ -20,6 +20,7 @@ from tokenwire.api.errors import install_error_handlers
 from tokenwire.api.metrics import Metrics
 from tokenwire.api.openapi import install_openapi
 from tokenwire.api.routes import (
+    anthropic,
     control,
     derender,
     extend,
@@ -92,6 +93,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         generate.router,
         derender.router,
         openai.router,
+        anthropic.router,
         sglang.router,
     ]
     if settings.enable_rl_control:
