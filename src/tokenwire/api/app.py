@@ -28,6 +28,7 @@ from tokenwire.api.routes import (
     info,
     openai,
     render,
+    responses_api,
     sglang,
     tokenize,
 )
@@ -94,6 +95,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         derender.router,
         openai.router,
         anthropic.router,
+        responses_api.router,
         sglang.router,
     ]
     if settings.enable_rl_control:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from tokenwire.protocol.common import (
     NonNegativeInt64,
@@ -109,3 +109,38 @@ class MessagesRequest(CountTokensRequest):
     top_p: TopP | None = None
     top_k: TopK | None = None
     metadata: dict[str, Any] | None = None
+
+
+# -- answers (for the OpenAPI document; the pipeline builds them as dicts) -------------------
+
+
+class _Answer(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class AnthropicUsage(_Answer):
+    input_tokens: int
+    output_tokens: int
+
+
+class AnthropicMessageResponse(_Answer):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    # thinking ({thinking, signature}), text ({text}) and tool_use ({id, name, input}) blocks.
+    content: list[dict[str, Any]]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class AnthropicStreamEvent(_Answer):
+    """One event of a stream, sent as ``event: TYPE`` + ``data: {json}``: message_start,
+    content_block_start / _delta / _stop, message_delta, message_stop (or error)."""
+
+    type: str
+
+
+class CountTokensResponse(_Answer):
+    input_tokens: int

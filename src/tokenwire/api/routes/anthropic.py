@@ -7,13 +7,19 @@ from starlette.responses import Response
 
 from tokenwire.api.admission import admitted
 from tokenwire.api.disconnect import unless_disconnected
-from tokenwire.api.openapi import MEDIA_ERRORS
+from tokenwire.api.openapi import MEDIA_ERRORS, streamed
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.sse import sse_response
 from tokenwire.api.state import pipeline_of
 from tokenwire.pipeline import anthropic
 from tokenwire.pipeline.openai import start_chat_completion
-from tokenwire.protocol.anthropic import CountTokensRequest, MessagesRequest
+from tokenwire.protocol.anthropic import (
+    AnthropicMessageResponse,
+    AnthropicStreamEvent,
+    CountTokensRequest,
+    CountTokensResponse,
+    MessagesRequest,
+)
 from tokenwire.protocol.generate import GenerateRequest
 
 router = APIRouter(tags=["anthropic"])
@@ -21,10 +27,8 @@ router = APIRouter(tags=["anthropic"])
 
 @router.post(
     "/v1/messages",
-    responses={
-        200: {"description": "An Anthropic message; with `stream: true`, Anthropic's SSE events"},
-        **MEDIA_ERRORS,
-    },
+    response_model=AnthropicMessageResponse,
+    responses={**streamed(AnthropicStreamEvent), **MEDIA_ERRORS},
 )
 async def messages(body: MessagesRequest, request: Request) -> Response:
     pipeline = pipeline_of(request)
@@ -36,7 +40,9 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
     return OrjsonResponse(await unless_disconnected(request, anthropic.message(run)))
 
 
-@router.post("/v1/messages/count_tokens", responses=MEDIA_ERRORS)
+@router.post(
+    "/v1/messages/count_tokens", response_model=CountTokensResponse, responses=MEDIA_ERRORS
+)
 async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
     return OrjsonResponse(await anthropic.count_tokens(pipeline_of(request), body))
 
