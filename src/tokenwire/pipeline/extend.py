@@ -77,15 +77,20 @@ async def extend_chat(pipeline: Pipeline, body: ExtendRequest) -> dict[str, Any]
     if chat_media_refs([*body.previous_messages, *body.messages]):
         raise InvalidRequest(NO_MEDIA, "messages")
     check_token_ids(runtime, body.previous_token_ids, "previous_token_ids")
-    size = sum(len(str(m.content or "")) for m in [*body.previous_messages, *body.messages])
-    renders = await _renders(pipeline, runtime, body)
-    result = await run_text_work(size, lambda: extend_ids(pipeline, runtime, body, renders))
+    result = await extension(pipeline, runtime, body)
     prompt = chat_request_prompt(
         pipeline, runtime, body, result.token_ids, param="previous_token_ids"
     )
     response = generate_request_json(pipeline, chat_request_id(body), prompt, body)
     response.update(extended=result.extended, reason=result.reason, kept_tokens=result.kept_tokens)
     return response
+
+
+async def extension(pipeline: Pipeline, runtime: ModelRuntime, body: ExtendRequest) -> Extension:
+    """The next prompt's ids for ``body``, whose previous ids are checked."""
+    size = sum(len(str(m.content or "")) for m in [*body.previous_messages, *body.messages])
+    renders = await _renders(pipeline, runtime, body)
+    return await run_text_work(size, lambda: extend_ids(pipeline, runtime, body, renders))
 
 
 def extend_ids(

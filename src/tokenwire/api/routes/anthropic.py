@@ -10,7 +10,7 @@ from tokenwire.api.disconnect import unless_disconnected
 from tokenwire.api.openapi import MEDIA_ERRORS, streamed
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.sse import sse_response
-from tokenwire.api.state import pipeline_of
+from tokenwire.api.state import pipeline_of, session_header
 from tokenwire.pipeline import anthropic
 from tokenwire.pipeline.openai import start_chat_completion
 from tokenwire.protocol.anthropic import (
@@ -34,7 +34,9 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
     pipeline = pipeline_of(request)
     chat = anthropic.chat_request(body, request_id=anthropic.new_message_id())
     await admitted(request, pipeline)
-    run = await start_chat_completion(pipeline, chat)
+    run = await start_chat_completion(
+        pipeline, chat, session_id=session_header(request), dialect="anthropic"
+    )
     if body.stream:
         return sse_response(anthropic.message_events(run), named=True)
     return OrjsonResponse(await unless_disconnected(request, anthropic.message(run)))

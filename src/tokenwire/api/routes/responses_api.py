@@ -10,7 +10,7 @@ from tokenwire.api.disconnect import unless_disconnected
 from tokenwire.api.openapi import MEDIA_ERRORS, streamed
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.sse import sse_response
-from tokenwire.api.state import pipeline_of
+from tokenwire.api.state import pipeline_of, session_header
 from tokenwire.pipeline import responses_api
 from tokenwire.pipeline.openai import start_chat_completion
 from tokenwire.protocol.generate import GenerateRequest
@@ -32,7 +32,10 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     pipeline = pipeline_of(request)
     chat = responses_api.chat_request(body, request_id=responses_api.new_response_id())
     await admitted(request, pipeline)
-    run = responses_api.ResponseRun(await start_chat_completion(pipeline, chat), body)
+    started = await start_chat_completion(
+        pipeline, chat, session_id=session_header(request), dialect="responses"
+    )
+    run = responses_api.ResponseRun(started, body)
     if body.stream:
         return sse_response(run.events(), named=True)
     return OrjsonResponse(await unless_disconnected(request, run.response()))
