@@ -77,6 +77,8 @@ def test_function_call_stream_and_incomplete(fast_qwen3: FastApp) -> None:
     short = client.responses.create(model="qwen3-tiny", input=WEATHER, max_output_tokens=2)
     assert short.status == "incomplete"
     assert short.incomplete_details.reason == "max_output_tokens"
+    with client.responses.stream(model="qwen3-tiny", input=WEATHER, max_output_tokens=2) as cut:
+        assert cut.get_final_response().status == "incomplete"
 
 
 def test_history_renders_as_the_chat_route(fast_qwen3: FastApp) -> None:

@@ -238,7 +238,7 @@ class ResponseRun:
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         """The Responses API's stream: created, in_progress, each output item added, filled
-        and done in order, then completed (or incomplete)."""
+        and done in order, then completed."""
         stream = _EventStream()
         yield stream.event("response.created", response=self.envelope("in_progress", []))
         yield stream.event("response.in_progress", response=self.envelope("in_progress", []))
@@ -258,9 +258,10 @@ class ResponseRun:
                 finish_reason = choice["finish_reason"] or finish_reason
         for event in stream.close():
             yield event
+        # Always response.completed, its status incomplete when cut by max_output_tokens, as
+        # vLLM ends the stream (the SDK's get_final_response() then reads it).
         status = _status(finish_reason)
-        kind = "response.completed" if status == "completed" else "response.incomplete"
-        yield stream.event(kind, response=self.envelope(status, stream.output))
+        yield stream.event("response.completed", response=self.envelope(status, stream.output))
 
 
 def _status(finish_reason: str | None) -> str:
