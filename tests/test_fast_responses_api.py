@@ -138,6 +138,7 @@ def test_history_renders_as_the_chat_route(fast_qwen3: FastApp) -> None:
         ({"input": WEATHER, "previous_response_id": "resp_1"}, "previous_response_id"),
         ({"input": WEATHER, "tools": [{"type": "web_search"}]}, "tools"),
         ({"input": []}, "input"),
+        ({"input": WEATHER, "text": {"format": {"type": "json_schema"}}}, "text.format"),
     ],
 )
 def test_malformed_requests_are_400(

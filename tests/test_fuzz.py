@@ -24,6 +24,11 @@ POST_ROUTES = [
     "/v1/completions/derender",
     "/v1/chat/completions",
     "/v1/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/messages/render",
+    "/v1/responses",
+    "/v1/responses/render",
 ]
 
 JSON = st.recursive(
@@ -67,6 +72,12 @@ KNOWN_KEYS = st.sampled_from(
         "generate_chunk",
         "role",
         "content",
+        "system",
+        "tool_choice",
+        "thinking",
+        "input",
+        "instructions",
+        "type",
     ]
 )
 SMALL_INTS = st.integers(-3, 151700)

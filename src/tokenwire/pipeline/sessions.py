@@ -110,6 +110,8 @@ async def session_prompt(
         )
         extended = await extension(pipeline, runtime, request)
         previous = head.token_ids
+        # Extend keeps the previous ids up to the reply's end-of-turn; a turn that sampled past
+        # it (ignore_eos) is not a prefix of the next prompt, so it cannot share its segment.
         if extended.extended and extended.token_ids[: len(previous)] == previous:
             ids = chat_request_prompt(
                 pipeline, runtime, body, extended.token_ids, param="messages", record=True

@@ -102,6 +102,16 @@ class ResponsesRequest(RequestModel):
     previous_response_id: str | None = None
     parallel_tool_calls: bool | None = None
     metadata: dict[str, Any] | None = None
+    text: TextConfig | None = None
+
+
+class TextFormat(RequestModel):
+    # Structured output would change the tokens and is not implemented (as on generate).
+    type: Literal["text"]
+
+
+class TextConfig(RequestModel):
+    format: TextFormat | None = None
 
 
 # -- answers (for the OpenAPI document; the pipeline builds them as dicts) -------------------
