@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from tests.conftest import API_KEY, QWEN3_SERVER_ARGS
+from tests.fake_engine import Gate, Step
 from tests.fast_app import FastApp, serve_fast
 from tests.test_fast_anthropic import ANTHROPIC_TOOLS, IM_END, THINK_AND_CALL
 from tokenwire.pipeline.session_store import Head, SessionStore, Turn
@@ -246,3 +247,29 @@ def test_store_survives_reopen_and_is_bounded(tmp_path: Path) -> None:
     assert asyncio.run(again.turns("a")) is None
     assert [s["id"] for s in asyncio.run(again.sessions())] == ["b"]
     again.close()
+
+
+def test_two_requests_of_one_session_at_once(app: FastApp) -> None:
+    """The turn recorded second did not extend the first: it starts a segment of its own."""
+    client = claude(app, "racing")
+    anthropic_episode(client, stream=False)
+    history = trajectory(app, "racing")
+    gate = Gate()
+    answer = [*app.tokenize("Fine."), IM_END]
+    held = [Step(answer[0], gate=gate), *answer[1:]]
+    scripts = iter([held, answer])
+    app.engine.script = lambda *_: next(scripts)
+    messages: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
+    body = {"model": "qwen3-tiny", "max_tokens": 8, "messages": messages}
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(client.messages.create, **body)
+        gate.wait_reached()
+        client.messages.create(**body)  # answered while the first one waits
+        gate.open()
+        slow.result()
+    result = trajectory(app, "racing")
+    assert len(result["turns"]) == len(history["turns"]) + 2
+    reasons = [segment["reason"] for segment in result["segments"][-2:]]
+    assert reasons[0] == "the tools or chat template options changed"  # no tools this time
+    assert reasons[1].startswith("another request of this session")
+    assert_exact(result)

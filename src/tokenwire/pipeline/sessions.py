@@ -67,9 +67,14 @@ class SessionTurn:
             turns, segment = latest.turns, latest.segment + 1
             reason = "another request of this session was recorded while this one ran"
         token_ids = [*choice.prompt_ids, *choice.token_ids]
+        # A turn that extends the head stores only what its prompt adds (a long episode would
+        # otherwise store its context once per turn); the trajectory puts the prefix back.
+        prompt: dict[str, list[int]] = {"prompt_ids": choice.prompt_ids}
+        if self.head is not None and reason is None:
+            prompt = {"prompt_tail": choice.prompt_ids[len(self.head.token_ids) :]}
         data = {
             "dialect": self.dialect,
-            "prompt_ids": choice.prompt_ids,
+            **prompt,
             "sampled_ids": choice.token_ids,
             "logprobs": [entry.logprob for entry in choice.logprobs or ()],
             "finish_reason": choice.finish_reason,
@@ -183,9 +188,13 @@ async def trajectory(store: SessionStore, session_id: str) -> dict[str, Any]:
         raise UnknownSession(f"session {session_id!r} does not exist", "session_id")
     segments: dict[int, dict[str, Any]] = {}
     turn_json = []
+    previous: list[int] = []  # the last turn's prompt + sampled ids
     for index, turn in enumerate(turns):
-        data = turn.data
+        data = dict(turn.data)
+        if "prompt_tail" in data:
+            data["prompt_ids"] = [*previous, *data.pop("prompt_tail")]
         prompt, sampled = data["prompt_ids"], data["sampled_ids"]
+        previous = [*prompt, *sampled]
         turn_json.append({"turn": index, "segment": turn.segment, **data})
         segment = segments.get(turn.segment)
         if segment is None:
@@ -197,10 +206,9 @@ async def trajectory(store: SessionStore, session_id: str) -> dict[str, Any]:
                 "loss_mask": [],
             }
         segment["turns"].append(index)
-        ids = [*prompt, *sampled]
         mask = segment["loss_mask"]
         # The turn's prompt starts with the segment's ids so far: only its tail is new.
         mask.extend([0] * (len(prompt) - len(mask)))
         mask.extend([1] * len(sampled))
-        segment["token_ids"] = ids
+        segment["token_ids"] = previous
     return {"id": session_id, "turns": turn_json, "segments": list(segments.values())}
