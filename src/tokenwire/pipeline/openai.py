@@ -146,8 +146,7 @@ class CompletionRun:
         if self.is_chat:
             result.update(self._chat_prompt_fields())
         if self.session is not None:
-            reply = {k: v for k, v in result["choices"][0]["message"].items() if k != "reasoning"}
-            await self.session.record(choices[0], reply)
+            await self.session.record(choices[0], result["choices"][0]["message"])
         return result
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
@@ -312,13 +311,11 @@ class _StreamedReply:
         self.tool_calls.extend(item.call for item in delta.tool_calls)
 
     def message(self) -> dict[str, Any]:
-        message = AssistantMessage(
+        return AssistantMessage(
             content="".join(self.content) or None,
             reasoning_content="".join(self.reasoning) or None,
             tool_calls=self.tool_calls,
         ).to_json()
-        message.pop("reasoning", None)
-        return message
 
 
 @dataclass(frozen=True, slots=True)

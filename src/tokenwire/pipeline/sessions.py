@@ -56,7 +56,9 @@ class SessionTurn:
     context: str
 
     async def record(self, choice: Choice, reply: dict[str, Any]) -> None:
-        """Append the turn (the choice's prompt, ids, logprobs) and make it the session's head."""
+        """Append the turn (the choice's prompt, ids, logprobs) and make it the session's head;
+        ``reply`` is the chat message the client got (its ``reasoning`` copy left out)."""
+        reply = {key: value for key, value in reply.items() if key != "reasoning"}
         turns = self.head.turns if self.head is not None else 0
         latest = await self.store.head(self.session_id)
         segment, reason = self.segment, self.reason
