@@ -1,6 +1,6 @@
 """Sessions on the real qwen3-tiny server (qwen3 reasoning and hermes tool-call parsers), driven
 by the real ``anthropic`` and ``openai`` SDKs with an ``X-Session-ID`` header, streaming and
-not: 30 scripted episodes of 4 turns each, 8 at a time. Every turn's recorded prompt starts with
+not: 30 scripted episodes of 4 turns each, 16 at a time. Every turn's recorded prompt starts with
 the previous turn's prompt + sampled ids, the loss mask covers exactly the sampled ids, and the
 trajectory's logprobs equal a transformers forward of each segment's ids. A compacted history
 gives a second exact segment with its reason; a SIGTERM mid-episode loses no recorded turn."""
@@ -166,7 +166,7 @@ def test_thirty_episodes_are_exact(server: Server, model: Any) -> None:
             harness.turn(f"Step {turn}: what is the weather in city {index}?")
         return session
 
-    with ThreadPoolExecutor(8) as pool:
+    with ThreadPoolExecutor(16) as pool:  # 16 sessions at once
         sessions = list(pool.map(episode, range(EPISODES)))
     worst = 0.0
     seen_prompts: set[tuple[int, ...]] = set()
