@@ -53,6 +53,7 @@ bench: install
 	$(PY) bench/bench_gc.py
 	$(PY) bench/bench_generate.py
 	$(PY) bench/bench_rl_shapes.py
+	$(PY) bench/bench_weight_transfer.py
 	$(PY) bench/bench_media.py
 	$(PY) bench/bench_media_limits.py
 	$(PY) bench/bench_request_templates.py

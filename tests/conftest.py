@@ -23,6 +23,7 @@ from tokenwire.engine.factory import create_engine
 
 T = TypeVar("T")
 API_KEY = "test-secret-key"
+CONTROL_KEY = "test-control-key"  # control_server's: the trainer's, never the router's
 SERVER_START_TIMEOUT_S = 900  # the first run builds the model assets
 # vLLM: float32 for parity with a transformers forward (its auto is bfloat16 on CPU). Default
 # flags (--vllm-args): eager mode, as graph capture adds minutes to every start on two cores.
@@ -37,6 +38,7 @@ VLLM_CPU_UNSUPPORTED = ("qwen3-tiny", "qwen2-vl-tiny")
 MODEL_FIXTURES = frozenset(
     {
         *("smollm2_server", "qwen3_server", "rl_server", "qwen2vl_server", "qwen2vl_strict_server"),
+        "control_server",
         *("engine", "tiny_engine", "vl_engine", "ref_model", "vl_model", "smollm2_model"),
     }
 )
@@ -143,7 +145,11 @@ QWEN3_SERVER_ARGS = [
     "--request-read-timeout-s",
     "3",
 ]
-RL_SERVER_ARGS = ["--enable-rl-control", "--max-logprobs", "-1", "--max-held-requests", "2"]
+RL_SERVER_ARGS = [
+    *("--enable-rl-control", "--max-logprobs", "-1", "--max-held-requests", "2"),
+    # weights from a trainer's group; a broken-off broadcast fails within 20 s
+    *("--weight-transfer-config", '{"backend": "gloo", "timeout_s": 20}'),
+]
 
 
 def free_port() -> int:
@@ -224,6 +230,14 @@ def rl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     logprob count is allowed (``--max-logprobs -1``, as TRL's docs start vLLM), and SGLang's
     pause holds at most two requests."""
     yield from _start(tmp_path_factory, "rl", RL_SERVER_ARGS, api_key=API_KEY)
+
+
+@pytest.fixture(scope="session")
+def control_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The RL server as README "Scale out" starts it behind a router: the router's key
+    (``API_KEY``) and a control key the router does not hold."""
+    args = [*RL_SERVER_ARGS, "--control-api-key", CONTROL_KEY]
+    yield from _start(tmp_path_factory, "control", args, api_key=API_KEY)
 
 
 @pytest.fixture(scope="session")

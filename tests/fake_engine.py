@@ -22,9 +22,10 @@ import asyncio
 import itertools
 import json
 import threading
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -40,9 +41,12 @@ from tokenwire.engine.base import (
     SamplingParams,
     SamplingSupport,
     TokenLogprob,
+    WeightGroup,
     WeightsError,
+    WeightUpdate,
 )
 from tokenwire.engine.stopping import check_stop
+from tokenwire.weight_transfer import TensorMeta
 
 # How often a held request looks again at its gate, the pause and its abort flag. Polling keeps
 # the fake free of cross-thread wake-ups (gates are opened from the test's thread).
@@ -144,6 +148,7 @@ class EngineCall:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     media: MultiModalInput | None
+    cache_salt: str | None = None
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     aborted: bool = False
@@ -223,6 +228,7 @@ class FakeEngine:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         media: MultiModalInput | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Yield the script's outputs until the stop rule ends it; closing early aborts."""
         prompt = list(prompt_token_ids)
@@ -235,7 +241,7 @@ class FakeEngine:
         reply = self.script(request_id, prompt, sampling)
         if not isinstance(reply, Reply):
             reply = Reply(reply)
-        call = EngineCall(request_id, prompt, sampling, media)
+        call = EngineCall(request_id, prompt, sampling, media, cache_salt)
         self.calls.append(call)
         self.live[request_id] = call
         try:
@@ -319,6 +325,30 @@ class FakeEngine:
     async def reset_prefix_cache(self) -> bool:
         self.cache_resets += 1
         return True
+
+    # Weight transfer: no backend (its rules above the engine are what the fast tests check;
+    # the hf engine receives for real in test_weight_transfer).
+
+    def weight_transfer_backends(self) -> tuple[str, ...]:
+        return ()
+
+    async def join_weight_group(self, group: WeightGroup) -> None:
+        raise EngineError("the fake engine joins no group")
+
+    async def leave_weight_group(self) -> None:
+        return None
+
+    def check_weight_update(self, tensors: Sequence[TensorMeta]) -> None:
+        raise WeightsError("the fake engine has no weights")
+
+    async def receive_weights(self, update: WeightUpdate) -> None:
+        raise EngineError("the fake engine joins no group")
+
+    def missing_weights(self, given: Collection[str]) -> list[str]:
+        return []
+
+    async def copy_weights(self, tensors: dict[str, Any]) -> None:
+        raise WeightsError("the fake engine has no weights")
 
     # -- for tests ----------------------------------------------------------------------------
 

@@ -117,7 +117,7 @@ class FastApp:
         return [(b"authorization", auth.encode())] if auth else []
 
 
-def _weightless_view(model_dir: Path, into: Path) -> Path:
+def weightless_view(model_dir: Path, into: Path) -> Path:
     """``model_dir``'s files but its weights, as symlinks (the name stays the asset's)."""
     view = into / model_dir.name
     view.mkdir()
@@ -135,7 +135,7 @@ def serve_fast(
     if "--model" in args:
         at = args.index("--model")
         model, args = args[at + 1], args[:at] + args[at + 2 :]
-    view = _weightless_view(prepare(model), tmp_path_factory.mktemp("weightless"))
+    view = weightless_view(prepare(model), tmp_path_factory.mktemp("weightless"))
     if "--served-model-name" not in args:
         args = [*args, "--served-model-name", model]
     argv = [*args, "--model", str(view)]

@@ -7,15 +7,17 @@ import asyncio
 import pytest
 
 from tests.chat_fixtures import TOOLS
-from tests.conftest import API_KEY, Server, free_port
+from tests.conftest import API_KEY, CONTROL_KEY, Server, free_port
 from tokenwire.client import (
     APIConnectionError,
     AsyncClient,
+    AsyncFleet,
     AuthenticationError,
     BadRequestError,
     ChatCompletion,
     Client,
     Extension,
+    Fleet,
     NotFoundError,
     Prompt,
 )
@@ -135,7 +137,7 @@ def test_control_routes(rl_server: Server, qwen3_server: Server) -> None:
     with Client(rl_server.url, api_key=API_KEY) as client:
         control = client.control
         assert control.load() == 0
-        control.pause("keep")
+        assert control.pause("keep") is True
         assert control.is_paused() is True
         control.update_weight_version("named", abort_all_requests=False)
         assert control.weight_version() == "named"
@@ -163,3 +165,25 @@ def test_control_routes(rl_server: Server, qwen3_server: Server) -> None:
         control.update_weight_version("default", abort_all_requests=False)  # as it was
     with Client(qwen3_server.url, api_key=API_KEY) as client, pytest.raises(NotFoundError):
         client.control.pause()
+
+
+def test_a_fleet_sends_each_control_call_to_every_server(control_server: Server) -> None:
+    # One server twice stands for two: each call reaches every URL, answers in their order.
+    urls = [control_server.url, control_server.url]
+    with Fleet(urls, api_key=CONTROL_KEY) as fleet:
+        assert fleet.each(lambda control: control.update_weight_version("v2")) == [None] * 2
+        assert fleet.each(lambda control: control.weight_version()) == ["v2", "v2"]
+
+        async def run() -> list[str]:
+            async with AsyncFleet(urls, api_key=CONTROL_KEY) as afleet:
+                await afleet.each(lambda control: control.pause("keep"))
+                assert await afleet.each(lambda control: control.is_paused()) == [True, True]
+                await afleet.each(lambda control: control.resume())
+                return await afleet.each(lambda control: control.weight_version())
+
+        assert asyncio.run(run()) == ["v2", "v2"]
+        fleet.each(lambda control: control.update_weight_version("default"))
+    with Fleet(urls, api_key=API_KEY) as fleet, pytest.raises(AuthenticationError):
+        fleet.each(lambda control: control.pause())  # the router's key: refused
+    with pytest.raises(ValueError):
+        Fleet(control_server.url)  # type: ignore[arg-type] - a string, not a list

@@ -13,6 +13,7 @@ answered by the direct path, not handed on: else the comparison would prove noth
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import re
@@ -23,6 +24,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import numpy as np
 import orjson
 import pydantic_core
 import pytest
@@ -31,6 +33,7 @@ from fastapi.routing import APIRoute
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
+from safetensors.numpy import save
 from starlette.responses import Response
 from starlette.testclient import TestClient
 
@@ -62,6 +65,9 @@ GENERATE_RESPONSE = {
     "request_id": "r",
     "choices": [{"index": 0, "token_ids": IDS, "finish_reason": "stop"}],
 }
+
+GROUP = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2}
+SAFETENSORS = base64.b64encode(save({"a": np.ones(1, np.float32)})).decode()
 
 # Valid bodies of every direct route (None: no body), sent in this order.
 VALID: dict[Route, list[Any]] = {
@@ -130,8 +136,26 @@ VALID: dict[Route, list[Any]] = {
     ("POST", "/resume"): [None],
     ("POST", "/reset_prefix_cache"): [None],
     ("POST", "/update_weight_version"): [{"new_version": "v2"}],
-    ("POST", "/update_weights"): [{"weight_dir": "/nonexistent/weights"}],
+    ("POST", "/update_weights"): [
+        {"weight_dir": "/nonexistent/weights"},
+        {"update_info": {"names": ["a"], "dtype_names": ["float32"], "shapes": [[1]]}},
+    ],
     ("POST", "/update_weights_from_disk"): [{"model_path": "/nonexistent/weights"}],
+    # Weight transfer without --weight-transfer-config, over an engine with no backend: the
+    # refusals above the engine.
+    ("POST", "/init_weight_transfer_engine"): [{"init_info": GROUP}],
+    ("POST", "/start_weight_update"): [None],
+    ("POST", "/finish_weight_update"): [{"weight_version": "v3"}],
+    ("POST", "/shutdown_weight_transfer_engine"): [None],
+    ("POST", "/init_weights_update_group"): [{**GROUP, "backend": "gloo"}],
+    ("POST", "/update_weights_from_distributed"): [
+        {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]]},
+        {"name": "a", "dtype": "float32", "shape": [1]},
+    ],
+    ("POST", "/destroy_weights_update_group"): [{"group_name": "g"}],
+    ("POST", "/update_weights_from_tensor"): [
+        {"serialized_named_tensors": [SAFETENSORS], "load_format": "safetensors"}
+    ],
     # SGLang's sleep and wake-up (sent in sorted order: the release before the resume); their
     # GET forms take an optional body, which only FastAPI reads.
     ("POST", "/release_memory_occupation"): [{"tags": ["kv_cache"]}],
@@ -181,8 +205,14 @@ SCHEMA_FAILURES: dict[Route, list[Any]] = {
     ("POST", "/abort_request"): [{"abort_all": "maybe"}],
     ("POST", "/pause_generation"): [{"mode": "forever"}],
     ("POST", "/update_weight_version"): [{"new_version": ""}, {}],
-    ("POST", "/update_weights"): [{"weight_dir": ""}],
+    ("POST", "/update_weights"): [{"weight_dir": ""}, {"update_info": {"names": ["a"]}}],
     ("POST", "/update_weights_from_disk"): [{"model_path": 3}],
+    ("POST", "/init_weight_transfer_engine"): [{"init_info": {**GROUP, "rank_offset": 2}}, {}],
+    ("POST", "/finish_weight_update"): [{"weight_version": ""}],
+    ("POST", "/init_weights_update_group"): [{**GROUP, "master_port": 0}],
+    ("POST", "/update_weights_from_distributed"): [{"names": "a"}],
+    ("POST", "/destroy_weights_update_group"): [{"group_name": 1}],
+    ("POST", "/update_weights_from_tensor"): [{"serialized_named_tensors": []}],
     ("POST", "/release_memory_occupation"): [{"tags": "weights"}],
     ("POST", "/resume_memory_occupation"): [{"tags": 5}],
 }

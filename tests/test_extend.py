@@ -367,3 +367,56 @@ def test_any_previous_ids_answer_without_5xx(
         kept = body["kept_tokens"]
         assert body["token_ids"][:kept] == sent[:kept]
         assert body["extended"] == (kept > 0)
+
+
+def test_large_tools_render_off_the_event_loop(
+    qwen3: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request whose bulk is its tools (short messages) renders and encodes on a worker
+    thread, as large messages do: the event loop keeps serving everyone else."""
+    import asyncio
+
+    from tokenwire.pipeline import chat_render
+    from tokenwire.pipeline import extend as extend_module
+
+    on_loop: list[str] = []
+
+    def spy(name: str, real: Any) -> Any:
+        def call(*args: Any) -> Any:
+            try:
+                asyncio.get_running_loop()
+                on_loop.append(name)
+            except RuntimeError:  # a worker thread has no running loop
+                pass
+            return real(*args)
+
+        return call
+
+    real_render = chat_render._render_server_template
+    monkeypatch.setattr(chat_render, "_render_server_template", spy("render", real_render))
+    monkeypatch.setattr(extend_module, "extend_ids", spy("extend", extend_module.extend_ids))
+    big_tool = {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Looks things up.",
+            "parameters": {
+                "type": "object",
+                "properties": {f"field_{i}": {"type": "string"} for i in range(20_000)},
+            },
+        },
+    }
+    body = {
+        "previous_token_ids": [*prompt_ids(qwen3, QUESTION, OFF), 50, IM_END],
+        "previous_messages": [*QUESTION, REPLY],
+        "messages": [{"role": "user", "content": "Thanks"}],
+        "tools": [big_tool],
+        "chat_template_kwargs": OFF,
+    }
+    on_loop.clear()  # the small render of previous_token_ids above
+    # Rendered, extended and encoded (then too long for this model: what the red team's got).
+    assert_error(qwen3.post(EXTEND, json=body), 400, "maximum context length")
+    assert on_loop == []
+    # A small request still renders inline: a thread hop would cost more than its render.
+    prompt_ids(qwen3, QUESTION, OFF)
+    assert on_loop == ["render"]

@@ -107,6 +107,30 @@ def test_pause_wait_lets_requests_finish_and_refuses_new_ones(fast_rl: FastApp) 
     assert ok(generate(fast_rl, OTHER))["choices"][0]["token_ids"] == [8, EOS]
 
 
+def test_concurrent_wait_pauses_are_all_answered_with_what_happened(fast_rl: FastApp) -> None:
+    """Three callers pause(wait) while a request drains and a resume overtakes them: each is
+    answered, and told the server was resumed (not "paused", which it is not)."""
+    gate = Gate()
+    by_prompt(fast_rl, {tuple(PROMPT): [5, Step(6, gate=gate), EOS], tuple(OTHER): [8, EOS]})
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        reading = stream(pool, fast_rl, PROMPT)
+        gate.wait_reached()
+        pausing = [
+            pool.submit(fast_rl.client.post, "/pause", params={"mode": "wait"}) for _ in range(3)
+        ]
+        fast_rl.wait_until(lambda: generate(fast_rl, OTHER).status_code == 503)
+        time.sleep(0.05)  # every pause has reached the engine
+        assert not any(p.done() for p in pausing)
+        assert ok(fast_rl.client.post("/resume")) == {"status": "resumed"}
+        answers = [ok(p.result(timeout=10)) for p in pausing]
+        gate.open()
+        finished = final(reading.result(timeout=10))
+    assert answers == [{"status": "resumed"}] * 3
+    assert ok(fast_rl.client.get("/is_paused")) == {"is_paused": False}
+    assert finished["token_ids"] == [5, 6, EOS]
+    assert ok(generate(fast_rl, OTHER))["choices"][0]["token_ids"] == [8, EOS]
+
+
 def test_pause_keep_freezes_requests_and_queues_new_ones(fast_rl: FastApp) -> None:
     gate = Gate()
     by_prompt(fast_rl, {tuple(PROMPT): [5, Step(6, gate=gate), EOS], tuple(OTHER): [8, EOS]})
@@ -217,6 +241,28 @@ def test_control_bad_input_is_a_400(fast_rl: FastApp, method: str, path: str, kw
     assert response.status_code == 400, response.text
     assert ok(fast_rl.client.get("/is_paused")) == {"is_paused": False}
     assert not fast_rl.engine.is_paused()
+
+
+@pytest.mark.parametrize(
+    ("path", "query", "headers", "content"),
+    [
+        # curl -d sends a form body: the bad query parameter is still what is named.
+        ("/sleep", {"level": "deep"}, {"content-type": "application/x-www-form-urlencoded"}, b"a"),
+        ("/sleep", {"level": "deep"}, {"content-type": "text/plain"}, b"{}"),
+        ("/pause", {"clear_cache": "maybe"}, {"content-type": "text/plain"}, b"x"),
+        ("/flush_cache", {"timeout": "soon"}, {"content-type": "application/json"}, b"{"),
+    ],
+)
+def test_a_bad_query_parameter_is_named(
+    fast_rl: FastApp, path: str, query: dict, headers: dict, content: bytes
+) -> None:
+    (name,) = query
+    response = fast_rl.client.post(path, params=query, headers=headers, content=content)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == name and name in error["message"], error
+    assert "must be JSON" not in error["message"]
+    assert ok(fast_rl.client.get("/is_paused")) == {"is_paused": False}
 
 
 def test_versions_sleep_and_the_sglang_names(fast_rl: FastApp) -> None:

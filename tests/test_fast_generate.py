@@ -192,6 +192,43 @@ def test_usage_reports_the_engines_cached_prompt_tokens(fast_smollm2: FastApp) -
     assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 3}
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "salts"),
+    [
+        ("/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": {"n": 2}}, ["s", "s"]),
+        ("/v1/completions", {"prompt": ["a", "b"]}, ["s", "s"]),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, ["s"]),
+        ("/generate", {"input_ids": [PROMPT, PROMPT]}, ["s", "s"]),
+        ("/generate", {"input_ids": [PROMPT, PROMPT], "cache_salt": ["s", "t"]}, ["s", "t"]),
+    ],
+)
+def test_cache_salt_reaches_the_engine_on_every_route(
+    fast_smollm2: FastApp, path: str, body: dict[str, Any], salts: list[str]
+) -> None:
+    """The salt the prefix cache partitions by (vLLM's): every choice of every prompt has it."""
+    fast_smollm2.engine.script = lambda *_: [5, EOS]
+    response = fast_smollm2.client.post(path, json={"cache_salt": "s", "max_tokens": 2, **body})
+    assert response.status_code == 200, response.text
+    assert [call.cache_salt for call in fast_smollm2.engine.calls] == salts
+    fast_smollm2.engine.calls.clear()
+    generate(fast_smollm2.client, PROMPT)
+    assert [call.cache_salt for call in fast_smollm2.engine.calls] == [None]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": {}, "cache_salt": ""}),
+        ("/v1/completions", {"prompt": "a", "cache_salt": ""}),
+        ("/generate", {"input_ids": PROMPT, "cache_salt": [""]}),
+        ("/generate", {"input_ids": [PROMPT, PROMPT], "cache_salt": ["s"]}),
+    ],
+)
+def test_a_bad_cache_salt_is_a_400(fast_smollm2: FastApp, path: str, body: dict) -> None:
+    assert_error(fast_smollm2.client.post(path, json=body), 400, "cache_salt")
+    assert not fast_smollm2.engine.calls
+
+
 def test_streaming_chunks_usage_and_versions(fast_smollm2: FastApp) -> None:
     """One chunk per engine output (several tokens in one stay together), the finish reason
     and versions only on the last, usage per chunk when continuous, then the usage chunk."""

@@ -4,15 +4,32 @@ cumulative streaming and bad input."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
+import orjson
 import pytest
 
 from tests.fake_engine import Reply, Step
-from tests.fast_app import FastApp, sse_chunks
+from tests.fast_app import FastApp, serve_fast, sse_chunks
+from tokenwire.pipeline.sglang import COALESCE
 
 EOS = 2  # SmolLM2's <|im_end|>
 PROMPT = [504, 3458, 314, 4649]
+
+
+@pytest.fixture(scope="module")
+def incremental(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastApp]:
+    """SmolLM2's app with SGLang's --incremental-streaming-output."""
+    yield from serve_fast(tmp_path_factory, ["--incremental-streaming-output"])
+
+
+def stream_bytes(fast: FastApp, body: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
+    """The size of a streamed /generate on the wire, and its chunks."""
+    with fast.client.stream("POST", "/generate", json={**body, "stream": True}) as response:
+        raw = response.read()
+    frames = raw.decode().split("\n\n")[:-2]
+    return len(raw), [orjson.loads(frame.removeprefix("data: ")) for frame in frames]
 
 
 def sglang(fast: FastApp, **body: Any) -> dict[str, Any]:
@@ -105,6 +122,51 @@ def test_text_in_and_cumulative_streaming(fast_smollm2: FastApp) -> None:
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
 
 
+LONG = {
+    "input_ids": PROMPT,
+    "return_logprob": True,
+    "top_logprobs_num": 20,
+    "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True},
+}
+
+
+def test_cumulative_streams_stay_within_a_few_final_chunks(fast_smollm2: FastApp) -> None:
+    """1,500 tokens with top-20 logprobs: one cumulative chunk per token was 797 MB on the wire
+    (O(n^2)); a chunk now goes out once the output grew by 1/COALESCE, so the whole stream is
+    a few times its last chunk, the first tokens still come one by one, and the last chunk is
+    the whole answer."""
+    whole = sglang(fast_smollm2, **LONG)
+    size, chunks = stream_bytes(fast_smollm2, LONG)
+    final = len(orjson.dumps(chunks[-1]))
+    assert size < (COALESCE + 2) * final, (size, final)
+    assert [len(c["output_ids"]) for c in chunks[:COALESCE]] == list(range(1, COALESCE + 1))
+    assert chunks[-1]["output_ids"] == whole["output_ids"] and len(whole["output_ids"]) == 1500
+    assert (
+        chunks[-1]["meta_info"]["output_top_logprobs"] == whole["meta_info"]["output_top_logprobs"]
+    )
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 1500}
+    for before, after in itertools.pairwise(chunks):
+        assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+
+
+def test_incremental_streams_send_deltas(incremental: FastApp) -> None:
+    """SGLang's --incremental-streaming-output: each chunk carries only what is new (text,
+    ids, logprob rows; input logprobs in the first); joined, they are the whole answer."""
+    body = {**LONG, "logprob_start_len": 0}
+    whole = sglang(incremental, **body)
+    size, chunks = stream_bytes(incremental, body)
+    assert len(chunks) == 1500  # one per token, as the engine sent them
+    assert [t for c in chunks for t in c["output_ids"]] == whole["output_ids"]
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    meta = whole["meta_info"]
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        assert [row for c in chunks for row in c["meta_info"][key]] == meta[key]
+    assert chunks[0]["meta_info"]["input_token_logprobs"] == meta["input_token_logprobs"]
+    assert all("input_token_logprobs" not in c["meta_info"] for c in chunks[1:])
+    assert chunks[-1]["meta_info"]["finish_reason"] == meta["finish_reason"]
+    assert size < 2 * len(orjson.dumps(whole)) + 1500 * 400  # each chunk's own meta_info
+
+
 @pytest.mark.parametrize(
     "body",
     [
@@ -125,6 +187,47 @@ def test_sglang_generate_bad_input(fast_rl: FastApp, body: dict) -> None:
     assert fast_rl.client.post("/generate", json=body).status_code == 400
     assert fast_rl.engine.calls == []
     assert fast_rl.abort_all() == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"sampling_params": {"regex": "(yes|no)"}}, "sampling_params.regex"),
+        ({"sampling_params": {"json_schema": '{"type": "object"}'}}, "sampling_params.json_schema"),
+        ({"sampling_params": {"ebnf": 'root ::= "a"'}}, "sampling_params.ebnf"),
+        ({"sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag"),
+        ({"sampling_params": {"stop_regex": "a+"}}, "sampling_params.stop_regex"),
+        ({"sampling_params": {"logit_bias": {"5": 100}}}, "sampling_params.logit_bias"),
+        ({"sampling_params": {"custom_params": {"a": 1}}}, "sampling_params.custom_params"),
+        ({"image_data": "data:image/png;base64,AAAA"}, "image_data"),
+        ({"video_data": ["v.mp4"]}, "video_data"),
+        ({"audio_data": ["a.wav"]}, "audio_data"),
+        ({"input_embeds": [[0.1, 0.2]]}, "input_embeds"),
+        ({"lora_path": "adapter"}, "lora_path"),
+        ({"lora_id": "adapter-1"}, "lora_id"),
+        ({"custom_logit_processor": "serialized"}, "custom_logit_processor"),
+        ({"session_params": {"id": "s"}}, "session_params"),
+        ({"token_ids_logprob": [5, 6]}, "token_ids_logprob"),
+        ({"return_hidden_states": True}, "return_hidden_states"),
+        ({"return_routed_experts": True}, "return_routed_experts"),
+    ],
+)
+def test_fields_that_change_the_output_and_are_not_served_are_a_400(
+    fast_smollm2: FastApp, change: dict, param: str
+) -> None:
+    """SGLang fields tokenwire does not implement are refused by name (a 200 that ignored them
+    would hand back an unconstrained, unbiased or text-only answer as if it were the one asked
+    for); their "off" values pass, and an innocent request beside them is served."""
+    refused = fast_smollm2.client.post("/generate", json={"input_ids": PROMPT, **change})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == param and param.split(".")[-1] in error["message"]
+    assert fast_smollm2.engine.calls == []
+    fast_smollm2.engine.script = lambda *_: [7, EOS]
+    off = {"regex": None, "logit_bias": {}}
+    innocent = sglang(fast_smollm2, input_ids=PROMPT, image_data=None, sampling_params=off)
+    assert innocent["output_ids"] == [7, EOS]
+    assert fast_smollm2.abort_all() == 0
 
 
 def test_top_logprobs_list_the_sampled_token_first(fast_smollm2: FastApp) -> None:

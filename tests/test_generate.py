@@ -332,3 +332,20 @@ def test_usage_reports_prefix_cached_prompt_tokens(
     generate(smollm2, prompt, temperature=0, max_tokens=2)
     usage = generate(smollm2, prompt, temperature=0, max_tokens=2)["usage"]
     assert 0 < usage["prompt_tokens_details"]["cached_tokens"] < len(prompt)
+
+
+def test_cache_salt_keeps_clients_apart(smollm2: httpx.Client, paris_ids: list[int]) -> None:
+    """Both engines share prefix-cache blocks only between requests with the same cache_salt
+    (vLLM's semantics), so no client learns from cached_tokens what another sent."""
+    prompt = [1780, 315, *paris_ids * 8]  # no other test sends its first block
+
+    def cached_tokens(salt: str | None) -> int:
+        body: dict = {"token_ids": prompt, "sampling_params": {"max_tokens": 2}}
+        if salt is not None:
+            body["cache_salt"] = salt
+        response = smollm2.post("/inference/v1/generate", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+    assert [cached_tokens(salt) for salt in ("a", "b", None)] == [0, 0, 0]
+    assert 0 < cached_tokens("a") < len(prompt)

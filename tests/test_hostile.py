@@ -4,6 +4,7 @@ innocent requests beside it finish normally (issue: no request harms another).""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import signal
 import threading
@@ -238,6 +239,81 @@ def test_sigterm_lets_requests_finish_then_aborts_and_exits_0(tmp_path: Path) ->
         server.stop()
 
 
+@pytest.mark.model  # its own server, with the model
+def test_sigterm_answers_requests_not_in_the_engine_503_and_exits_soon(tmp_path: Path) -> None:
+    """Requests that never reached the engine got uvicorn's text/plain 500 once its grace period
+    ran out, and the exit came well after --shutdown-timeout. Now a request held by SGLang's
+    pause gets a JSON 503 at the signal, one whose body never ends gets it once the requests
+    in the engine are done, and the process exits soon after the timeout."""
+    import socket
+
+    timeout_s = 5
+    args = ["--shutdown-timeout", str(timeout_s), "--enable-rl-control"]
+    server = Server(args, tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        lines: list[str] = []
+        held: dict[str, Any] = {}
+
+        def streamed() -> None:  # in the engine, frozen by the pause: aborted at the timeout
+            body = {
+                "token_ids": [1, 2, 3],
+                "stream": True,
+                "sampling_params": {"max_tokens": 8000, "ignore_eos": True},
+            }
+            with (
+                server.client() as own,
+                own.stream("POST", "/inference/v1/generate", json=body) as response,
+            ):
+                lines.extend(line for line in response.iter_lines() if line)
+
+        def held_by_the_pause() -> None:
+            with server.client() as own:
+                body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
+                response = own.post("/generate", json=body)
+                held.update(response=response, at=time.monotonic())
+
+        stream = threading.Thread(target=streamed)
+        stream.start()
+        deadline = time.monotonic() + 60
+        while not lines:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with server.client() as control:
+            assert control.post("/pause_generation", json={"mode": "in_place"}).is_success
+        holder = threading.Thread(target=held_by_the_pause)
+        holder.start()
+        slow = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        slow.sendall(
+            b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt": '
+        )
+        time.sleep(0.5)
+        signalled = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        holder.join(timeout=30)
+        assert held["at"] - signalled < 2  # at the signal, not after the drain
+        refused = held["response"]
+        assert refused.status_code == 503
+        assert refused.json()["error"]["message"] == "The server is shutting down"
+        reply = b""
+        while chunk := slow.recv(4096):
+            reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503")
+        assert b"content-type: application/json" in head.lower()
+        assert orjson.loads(body)["error"]["code"] == 503
+        assert server.process.wait(timeout=60) == 0
+        assert time.monotonic() - signalled < timeout_s + 4
+        stream.join(timeout=30)
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort"
+        log = (tmp_path / "server.log").read_text()
+        assert "Traceback" not in log and "Internal Server Error" not in log
+    finally:
+        server.stop()
+
+
 def peak_rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -301,6 +377,148 @@ def test_a_500_leaves_the_connection_usable(tmp_path: Path) -> None:
             assert failed.headers.get("connection", "").lower() != "close"
             for _ in range(3):  # the same pooled connection, again and again
                 assert client.get("/version").status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def test_unfinished_headers_are_timed_out_and_connections_capped(tmp_path: Path) -> None:
+    """Connections that never finish their headers (slowloris) held file descriptors for ever
+    (1,050 of them and /health failed). Now each is answered 408 and closed after
+    --header-read-timeout-s, a connection past --max-connections is answered 503 and closed at
+    once, and an innocent request is served beside them and after them. The real app and
+    protocol on uvicorn on 127.0.0.1 (the model is never loaded)."""
+    import asyncio
+    import socket
+
+    import uvicorn
+
+    from tokenwire.api.app import create_app
+    from tokenwire.api.server import uvicorn_config
+    from tokenwire.settings import Settings
+
+    settings = Settings(
+        model=str(tmp_path / "no-model"),
+        port=free_port(),
+        header_read_timeout_s=1.0,
+        max_connections=20,
+        log_level="critical",
+    )
+    server = uvicorn.Server(uvicorn_config(create_app(settings), settings))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    address = ("127.0.0.1", settings.port)
+
+    def slow() -> socket.socket:
+        sock = socket.create_connection(address, timeout=10)
+        sock.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\n")  # never ends
+        return sock
+
+    def reply(sock: socket.socket) -> tuple[bytes, dict]:
+        data = b""
+        while chunk := sock.recv(4096):
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        return head, orjson.loads(body)
+
+    slow_ones: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        base = f"http://127.0.0.1:{settings.port}"
+        slow_ones = [slow() for _ in range(18)]
+        with httpx.Client(base_url=base) as innocent:  # the 19th connection
+            assert innocent.get("/version").status_code == 200
+            # The 20th: a keep-alive connection whose next request never finishes its headers.
+            keep_alive = socket.create_connection(address, timeout=10)
+            keep_alive.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n")
+            first = b""
+            while not first.endswith(b"}"):
+                first += keep_alive.recv(4096)
+            assert first.startswith(b"HTTP/1.1 200")
+            keep_alive.sendall(b"GET /version HTTP/1.1\r\n")
+            started = time.monotonic()
+            # The 21st connection: refused at once.
+            head, body = reply(socket.create_connection(address, timeout=10))
+            assert head.startswith(b"HTTP/1.1 503") and body["error"]["code"] == 503
+            for sock in [*slow_ones, keep_alive]:
+                head, body = reply(sock)
+                assert head.startswith(b"HTTP/1.1 408"), head
+                assert "headers" in body["error"]["message"]
+            assert time.monotonic() - started < 5
+        with httpx.Client(base_url=base) as after:
+            assert after.get("/version").status_code == 200
+    finally:
+        for sock in slow_ones:
+            sock.close()
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def test_a_client_that_never_reads_its_stream_is_dropped(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A client that opens a long stream and reads nothing used to hold its request (and the
+    output waiting for it) for ever. With its write buffer full for --send-timeout-s its
+    connection is dropped and its request aborted, nothing left running; a client beside it
+    is served. The real app and protocol on uvicorn, over the fake engine."""
+    import asyncio
+    import socket
+
+    import uvicorn
+
+    from tests.fake_engine import FakeEngine
+    from tests.fast_app import weightless_view
+    from tokenwire.api.app import create_app
+    from tokenwire.api.server import uvicorn_config
+    from tokenwire.assets import prepare
+    from tokenwire.settings import DEFAULT_MODEL, parse_serve_args
+
+    view = weightless_view(prepare(DEFAULT_MODEL), tmp_path_factory.mktemp("weightless"))
+    port = free_port()
+    argv = ["--model", str(view), "--port", str(port), "--send-timeout-s", "1"]
+    settings = parse_serve_args([*argv, "--log-level", "critical"])
+    engine = FakeEngine.for_model(view)
+    app = create_app(settings, engine)
+    server = uvicorn.Server(uvicorn_config(app, settings))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    body = {
+        "token_ids": [5, 6, 7],
+        "stream": True,
+        "sampling_params": {"max_tokens": 8000, "logprobs": 20},
+    }
+    payload = orjson.dumps(body)
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started or httpx.get(f"http://127.0.0.1:{port}/health").is_error:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        reader = socket.socket()
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        reader.connect(("127.0.0.1", port))
+        reader.sendall(
+            b"POST /inference/v1/generate HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\n"
+            b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
+        )
+        assert reader.recv(12) == b"HTTP/1.1 200"  # then it reads nothing more
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as innocent:
+            short = {"token_ids": [9, 9], "sampling_params": {"max_tokens": 3}}
+            answer = innocent.post("/inference/v1/generate", json=short)
+            assert answer.status_code == 200
+            assert answer.json()["choices"][0]["token_ids"] == [9, 9, 9]
+        deadline = time.monotonic() + 20
+        while engine.live or len(app.state.pipeline.jobs):
+            assert time.monotonic() < deadline, "the unread stream was never dropped"
+            time.sleep(0.05)
+        reader.settimeout(10)
+        with contextlib.suppress(ConnectionResetError):
+            while reader.recv(1 << 16):  # what was sent before the drop, then the end
+                pass
+        reader.close()
     finally:
         server.should_exit = True
         thread.join(timeout=30)

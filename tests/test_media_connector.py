@@ -31,7 +31,7 @@ import pytest
 from PIL import Image
 
 from tokenwire.media import connector as connector_module
-from tokenwire.media.connector import MediaConnector, system_resolve
+from tokenwire.media.connector import MediaConnector, SystemResolver
 from tokenwire.media.errors import MediaFetchFailed, MediaRefused, Rule
 from tokenwire.media.loaders import load_image
 from tokenwire.media.pinning import PinnedNetworkBackend, PinTable
@@ -320,12 +320,12 @@ def test_dotted_octal_host_is_refused_as_invalid() -> None:
 
 def test_system_resolver_normalises_integer_hosts() -> None:
     # glibc parses numeric forms itself; no DNS query is made for these.
-    assert asyncio.run(system_resolve("2130706433", 80)) == ["127.0.0.1"]
-    assert asyncio.run(system_resolve("0x7f.1", 80)) == ["127.0.0.1"]
+    assert asyncio.run(SystemResolver()("2130706433", 80)) == ["127.0.0.1"]
+    assert asyncio.run(SystemResolver()("0x7f.1", 80)) == ["127.0.0.1"]
 
 
 def test_localhost_name_is_refused() -> None:
-    error = refused("http://localhost/x", resolver=system_resolve)
+    error = refused("http://localhost/x", resolver=SystemResolver())
     assert error.rule == Rule.PRIVATE_ADDRESS
 
 
@@ -663,6 +663,50 @@ def test_unresolvable_host_is_a_400() -> None:
     with pytest.raises(MediaFetchFailed) as info:
         fetch("http://no-such-host.test/x")  # numeric-only resolver: fails without DNS
     assert info.value.status == 400
+
+
+def test_dns_that_never_answers_holds_no_other_fetch(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Names whose DNS never answers (the system resolver blocks, as with a silent name server)
+    beside innocent fetches through the same connector: the innocent ones resolve, fetch and
+    decode at once; the stuck ones fail at their own deadline. 40 stuck names: more than the
+    event loop's default thread pool has workers on any machine (at most 32)."""
+    release = threading.Event()
+    real_getaddrinfo = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(host).endswith(".hang.test"):
+            release.wait(60)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real_getaddrinfo(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    policy = MediaPolicy(allow_private_networks=True, timeout_s=1.5)
+
+    async def go() -> tuple[list[bytes], float, list[BaseException]]:
+        connector = MediaConnector(policy)  # the system resolver
+        try:
+            stuck = [
+                asyncio.create_task(connector.fetch(f"http://h{i}.hang.test/x.png"))
+                for i in range(40)
+            ]
+            await asyncio.sleep(0.1)
+            start = time.monotonic()
+            innocent = await asyncio.gather(
+                *(connector.fetch(server.url("/ok", host="localhost")) for _ in range(4)),
+                asyncio.to_thread(lambda: b"decoded"),  # an image decode's thread hop
+            )
+            took = time.monotonic() - start
+            return innocent, took, await asyncio.gather(*stuck, return_exceptions=True)
+        finally:
+            release.set()
+            await connector.aclose()
+
+    innocent, took, stuck = asyncio.run(go())
+    assert innocent == [b"hello"] * 4 + [b"decoded"]
+    assert took < 1.0, f"innocent fetches took {took:.2f} s"
+    assert all(isinstance(e, MediaRefused) and e.rule == Rule.TIMED_OUT for e in stuck), stuck
 
 
 # -- data: ----------------------------------------------------------------------------------

@@ -116,6 +116,32 @@ def test_openai_routes_report_cached_tokens(smollm2: httpx.Client) -> None:
     assert '"prompt_tokens_details":{"cached_tokens":192}' in streamed.replace(" ", "")
 
 
+def test_cache_salt_partitions_the_cache(smollm2: httpx.Client) -> None:
+    """vLLM's semantics: blocks are shared only by requests with the same salt, so one client
+    cannot learn from cached_tokens that another (salted or not) sent a prefix."""
+
+    def salted(prompt: list[int], salt: str | None) -> dict:
+        body: dict = {"token_ids": prompt, "sampling_params": {"max_tokens": 2, "temperature": 0}}
+        if salt is not None:
+            body["cache_salt"] = salt
+        response = smollm2.post("/inference/v1/generate", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    prompt = ids_of(7, 160)
+    first = salted(prompt, "tenant-a")
+    for other in ("tenant-b", None):  # another salt, and none
+        answer = salted(prompt, other)
+        assert cached(answer["usage"]) == 0, other
+        assert answer["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    assert cached(salted(prompt, "tenant-a")["usage"]) == 144  # same salt: a hit
+    # ... and a prefix one tenant stored (with its output) is not another's either.
+    longer = [*prompt, *first["choices"][0]["token_ids"], *ids_of(8, 40)]
+    assert cached(salted(longer, "tenant-b")["usage"]) == 160  # tenant-b's own, output too
+    assert cached(salted(longer, "tenant-c")["usage"]) == 0
+    assert cached(salted(prompt, None)["usage"]) == 144  # the unsalted entry from above
+
+
 @pytest.mark.parametrize(("value", "message"), [("-1", ">= 0"), ("1GiB", "invalid int")])
 def test_bad_prefix_cache_bytes_are_refused(value: str, message: str) -> None:
     result = subprocess.run(

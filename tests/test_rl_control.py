@@ -6,8 +6,11 @@ control routes' shapes, bad input and SGLang's /generate are in ``test_fast_cont
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
+import os
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from tests.conftest import Server
 from tokenwire.assets import prepare
@@ -158,6 +162,21 @@ def test_pause_wait_lets_requests_finish(rl_server: Server, rl: httpx.Client) ->
     ok(rl.post("/resume"))
 
 
+def test_concurrent_wait_pauses_are_all_answered(rl_server: Server, rl: httpx.Client) -> None:
+    """The engine answers every caller pausing (wait) while a request drains, not the last."""
+    stream = Stream(rl_server, [1, 2, 3], max_tokens=12, ignore_eos=True)
+    stream.wait_for_tokens(1)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        pausing = [pool.submit(rl.post, "/pause", params={"mode": "wait"}) for _ in range(3)]
+        answers = [ok(p.result(timeout=120)) for p in pausing]
+    assert answers == [{"status": "paused"}] * 3
+    assert stream.final()["finish_reason"] == "length" and len(stream.tokens()) == 12
+    ok(rl.post("/resume"))
+    # Drained while nothing runs: answered at once.
+    assert ok(rl.post("/pause", params={"mode": "wait"})) == {"status": "paused"}
+    ok(rl.post("/resume"))
+
+
 def test_pause_keep_freezes_and_continues_unchanged(rl_server: Server, rl: httpx.Client) -> None:
     reference = ok(generate(rl, [1, 2, 3], max_tokens=16, ignore_eos=True))["choices"][0]
     stream = Stream(rl_server, [1, 2, 3], max_tokens=16, ignore_eos=True)
@@ -243,6 +262,56 @@ def test_bad_weights_are_refused_and_the_old_ones_stay(rl: httpx.Client, tmp_pat
     assert rl.post("/update_weights", json={"weight_dir": str(tmp_path)}).status_code == 400
     assert ok(generate(rl, [1, 2, 3], max_tokens=6))["choices"][0]["token_ids"] == before
     assert ok(rl.get("/weight_info")) == {"weight_version": "default"}
+
+
+def test_nonfinite_weights_are_a_400(rl: httpx.Client, tmp_path: Path) -> None:
+    before = ok(generate(rl, [1, 2, 3], max_tokens=6))["choices"][0]["token_ids"]
+    save_file({"model.norm.weight": torch.full((576,), float("nan"))}, tmp_path / "x.safetensors")
+    refused = rl.post("/update_weights", json={"weight_dir": str(tmp_path)})
+    assert refused.status_code == 400, refused.text
+    assert "model.norm.weight holds NaN or infinite values" in refused.json()["error"]["message"]
+    assert ok(generate(rl, [1, 2, 3], max_tokens=6))["choices"][0]["token_ids"] == before
+
+
+def test_a_checkpoint_rewritten_during_a_reload_is_a_400_not_a_crash(
+    rl_server: Server, rl: httpx.Client, base_dir: Path, tmp_path: Path
+) -> None:
+    """A trainer truncating and rewriting the checkpoint while the server loads it: was a
+    SIGBUS that killed the server (safetensors mapped the file; the copy came later)."""
+    path = tmp_path / "model.safetensors"
+    shutil.copy(base_dir / "model.safetensors", path)
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        header_end = 8 + int.from_bytes(handle.read(8), "little")
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            os.truncate(path, header_end)  # the tensors' bytes gone, the header intact
+            os.truncate(path, size)  # full size again, zeros
+            stop.wait(0.02)  # mostly whole, so the old loader mapped it
+
+    rewriter = threading.Thread(target=churn)
+    rewriter.start()
+    statuses = []
+    try:
+        for step in range(4):
+            version = ok(rl.get("/weight_info"))["weight_version"]
+            body = {"weight_dir": str(tmp_path), "weight_version": f"churn-{step}"}
+            answer = rl.post("/update_weights", json=body)
+            statuses.append(answer.status_code)
+            assert answer.status_code in (200, 400), answer.text
+            if answer.status_code == 400:  # the old weights stay
+                assert ok(rl.get("/weight_info"))["weight_version"] == version
+    finally:
+        stop.set()
+        rewriter.join()
+    assert rl_server.process.poll() is None and rl.get("/health").status_code == 200
+    assert 400 in statuses, statuses
+    restored = rl.post(
+        "/update_weights_from_disk", json={"model_path": str(base_dir), "weight_version": "default"}
+    )
+    assert ok(restored)["success"] is True
 
 
 def test_a_choice_ending_on_a_stop_string_keeps_its_weight_version(

@@ -3,7 +3,8 @@
 ``consistent_hash`` keys on ``X-Session-ID``: every request of one session must land on one
 server, and render -> generate -> derender must work through the router. ``power_of_two`` picks
 by the load each server reports on ``GET /get_load``. The servers are the session's two SmolLM2
-servers (one with an API key, which the router passes through).
+servers (one with an API key, which the router passes through). Behind the router no control
+route answers: the servers' control key is one the router does not hold.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import API_KEY, Server, free_port
+from tests.conftest import API_KEY, CONTROL_KEY, Server, free_port
 
 ROUTER_START_TIMEOUT_S = 60
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -161,3 +162,44 @@ def test_power_of_two_balances_on_reported_load(
     finally:
         router.stop()
     assert sum(route_count(s, "/get_load") for s in fleet) > polled
+
+
+def test_no_control_route_answers_through_the_router(
+    control_server: Server, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    trainer = {"Authorization": f"Bearer {CONTROL_KEY}"}
+    with httpx.Client(base_url=control_server.url, headers=trainer, timeout=120) as direct:
+        paths = direct.get("/openapi.json").json()["paths"]
+        version = direct.get("/weight_info").json()["weight_version"]
+    operations = sorted(
+        (method.upper(), path)
+        for path, item in paths.items()
+        for method, operation in item.items()
+        if "control" in operation.get("tags", ())
+    )
+    assert len(operations) >= 20, operations
+    # Bodies that would act, were they let through; and abort-all on the inference routes.
+    body = {"weight_dir": "/nonexistent", "model_path": "/nonexistent", "new_version": "v9"}
+    calls = [(method, path, body) for method, path in operations]
+    calls += [("POST", "/abort_requests", {}), ("POST", "/abort_request", {"abort_all": True})]
+    router = Router([control_server], "consistent_hash", tmp_path_factory.mktemp("r") / "log")
+    try:
+        with router.client("any") as client:
+            answered = {}
+            for method, path, payload in calls:
+                # A client sending the control key itself: the router forwards its own key.
+                for headers in (None, trainer):
+                    response = client.request(method, path, json=payload, headers=headers)
+                    if response.is_success:
+                        answered[(method, path)] = response.text[:200]
+            assert answered == {}
+            # Inference through the router is as it was.
+            assert "Paris" in one_turn(client)
+            assert client.post("/abort_requests", json={"request_ids": ["x"]}).is_success
+    finally:
+        router.stop()
+    with httpx.Client(base_url=control_server.url, headers=trainer, timeout=120) as direct:
+        assert direct.get("/is_paused").json() == {"is_paused": False}
+        assert direct.get("/weight_info").json()["weight_version"] == version
+        assert direct.post("/pause").json() == {"status": "paused"}  # the trainer, directly
+        assert direct.post("/resume").json() == {"status": "resumed"}

@@ -51,26 +51,15 @@ def _prepare(name: str) -> int:
 
 
 def _serve(settings) -> int:
-    import uvicorn
-
     from tokenwire.api.app import create_app
-    from tokenwire.api.server import GracefulServer, JsonErrorHttpProtocol
+    from tokenwire.api.server import GracefulServer, uvicorn_config
 
     logging.basicConfig(
         level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     app = create_app(settings)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        loop="uvloop",
-        http=JsonErrorHttpProtocol,
-        access_log=False,
-        timeout_graceful_shutdown=5,
-    )
+    config = uvicorn_config(app, settings)
     GracefulServer(config, app.state.pipeline, settings.shutdown_timeout_s).run()
     return 0
 

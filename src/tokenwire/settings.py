@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from tokenwire.engine.defaults import DEFAULT_PREFIX_CACHE_BYTES
 from tokenwire.engine.factory import ENGINE_KINDS, EngineKind
 from tokenwire.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
+from tokenwire.weight_transfer import WeightTransferConfig
 
 if TYPE_CHECKING:
     from tokenwire.media.policy import MediaPolicy
@@ -42,6 +43,13 @@ def flag(default: object, **spec: Any) -> Any:
     return field(default=default, metadata={_FLAG: Flag(**spec)})
 
 
+def _weight_transfer_config(text: str) -> WeightTransferConfig:
+    try:
+        return WeightTransferConfig.parse(text)
+    except ValueError as exc:  # argparse shows only an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     """Every ``serve`` setting; a ``flag`` field is one flag (see ``add_serve_arguments``)."""
@@ -53,6 +61,11 @@ class Settings:
     max_model_len: int | None = flag(None, type=int)
     chat_template: Path | None = flag(None, type=Path)
     api_key: str | None = flag(None)
+    control_api_key: str | None = flag(
+        None,
+        help="the one key control routes take (weights, pause, sleep, abort-all, /metrics); "
+        "unset: --api-key, unsafe behind a router, which holds that key",
+    )
     trust_request_chat_template: bool = flag(False, switch=True)
     request_template_workers: int = flag(
         2, type=int, help="processes rendering request templates; more requests wait"
@@ -65,6 +78,23 @@ class Settings:
     max_request_bytes: int = flag(64 * 2**20, type=int)
     request_read_timeout_s: float = flag(
         60.0, type=float, help="a request body must arrive within this many seconds (else 408)"
+    )
+    header_read_timeout_s: float = flag(
+        10.0,
+        type=float,
+        help="a request's headers must arrive within this many seconds (else 408, closed)",
+    )
+    max_connections: int | None = flag(
+        None,
+        type=int,
+        help="open connections at once; more are answered 503 and closed (default: what the "
+        "open-file limit allows, less a reserve)",
+    )
+    send_timeout_s: float = flag(
+        60.0,
+        type=float,
+        help="a client that reads nothing of its response for this many seconds while output "
+        "waits for it is dropped and its request aborted",
     )
     shutdown_timeout_s: float = flag(
         30.0,
@@ -107,10 +137,27 @@ class Settings:
     enable_rl_control: bool = flag(
         False, switch=True, help="serve pause/resume, weight reload and weight version routes"
     )
+    allow_nonfinite_weights: bool = flag(
+        False,
+        switch=True,
+        help="let a weight reload load NaN or infinite values (hf engine; refused by default)",
+    )
     max_held_requests: int = flag(
         1024,
         type=int,
         help="requests that may wait out SGLang's /pause_generation at once; more get a 503",
+    )
+    incremental_streaming_output: bool = flag(
+        False,
+        switch=True,
+        help="SGLang /generate streams send deltas (text, output_ids, logprobs), as SGLang's "
+        "flag of that name; without it chunks are cumulative, sent less often as they grow",
+    )
+    weight_transfer_config: WeightTransferConfig | None = flag(
+        None,
+        type=_weight_transfer_config,
+        help='vLLM\'s \'{"backend": "gloo"}\' (with --enable-rl-control): receive weights '
+        "from the trainer's process group; tokenwire's \"timeout_s\" bounds each wait (300)",
     )
     engine: EngineKind = flag(
         "hf",

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from tokenwire import __version__
 from tokenwire.api.asgi import FrontConfig, FrontMiddleware
+from tokenwire.api.control_key import ControlRoutes
 from tokenwire.api.direct import direct_routes
 from tokenwire.api.errors import install_error_handlers
 from tokenwire.api.metrics import Metrics
@@ -73,7 +74,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         try:
             yield
         finally:
-            pipeline.shutting_down = True
+            pipeline.shut_down()
             loading.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await loading
@@ -111,9 +112,16 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         routers.append(control.router)
     for router in routers:
         app.include_router(router)
+    if settings.api_key and not settings.control_api_key:
+        logger.warning(
+            "--control-api-key is unset: control routes take --api-key, which a router in front "
+            "of this server sends with every request it forwards"
+        )
     front = FrontConfig(
         metrics=metrics,
         api_key=settings.api_key or None,
+        control_api_key=settings.control_api_key or None,
+        control_routes=ControlRoutes(route for router in routers for route in router.routes),
         max_bytes=settings.max_request_bytes,
         read_timeout_s=settings.request_read_timeout_s,
         direct=direct_routes(routers),
@@ -157,6 +165,7 @@ async def _load_runtime(
                 extra_args=settings.engine_args,
                 prefix_cache_bytes=settings.prefix_cache_bytes,
                 max_logprobs=settings.max_logprobs,
+                allow_nonfinite_weights=settings.allow_nonfinite_weights,
             )
         await engine.start()
     except asyncio.CancelledError:

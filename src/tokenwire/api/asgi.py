@@ -7,7 +7,8 @@ pass through untouched. In order, for each HTTP request:
 
 - ``X-Request-Id`` echoed back, or generated when the client sent none;
 - 401 without ``Authorization: Bearer KEY`` (when the server has a key) on every path but
-  /health, compared in constant time, before the body is read;
+  /health, compared in constant time, before the body is read; a control route
+  (``api.control_key``) takes the control key only, any other route either key;
 - the body read whole: 413 over the limit (declared or streamed), 408 if it does not arrive
   within ``read_timeout_s``, 400 for a lone UTF-16 surrogate, escaped (``"\\ud800"``) or
   encoded in UTF-8 (Python's JSON parser accepts both, but no tokenizer, template or
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tokenwire.api.control_key import CONTROL_KEY_MISSING, HOLDS_CONTROL_KEY, ControlRoutes
 from tokenwire.api.direct import NO_BODY_METHODS, DirectRoutes
 from tokenwire.api.errors import error_response
 from tokenwire.api.metrics import Metrics
@@ -46,6 +48,8 @@ OPEN_PATHS = frozenset({"/health"})
 class FrontConfig:
     metrics: Metrics
     api_key: str | None
+    control_api_key: str | None  # None: ``api_key`` (the fallback, unsafe behind a router)
+    control_routes: ControlRoutes
     max_bytes: int
     read_timeout_s: float
     direct: DirectRoutes
@@ -55,7 +59,9 @@ class FrontMiddleware:
     def __init__(self, app: ASGIApp, config: FrontConfig) -> None:
         self.app = app
         self.metrics = config.metrics
-        self.expected_key = None if config.api_key is None else b"Bearer " + config.api_key.encode()
+        self.inference_key = _bearer(config.api_key)
+        self.control_key = _bearer(config.control_api_key or config.api_key)
+        self.control_routes = config.control_routes
         self.max_bytes = config.max_bytes
         self.read_timeout_s = config.read_timeout_s
         self.direct = config.direct
@@ -80,6 +86,12 @@ class FrontMiddleware:
 
         try:
             await self._handle(scope, receive, front_send)
+        except asyncio.CancelledError:
+            # Only the server's shutdown cancels a request (a client leaving does not): one
+            # not answered yet gets the JSON 503 of every request refused at shutdown.
+            if status:
+                raise
+            await error_response(503, "The server is shutting down")(scope, receive, front_send)
         except Exception as exc:
             if status:
                 raise
@@ -94,14 +106,13 @@ class FrontMiddleware:
             )
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.expected_key is not None and scope["path"] not in OPEN_PATHS:
-            given = header(scope, b"authorization") or b""
-            if not hmac.compare_digest(given, self.expected_key):
-                response = error_response(401, "Missing or invalid API key")
-                response.headers["WWW-Authenticate"] = "Bearer"
-                await response(scope, receive, send)
-                return
         method = scope["method"]
+        refusal = self._authorize(scope, method)
+        if refusal is not None:
+            response = error_response(401, refusal)
+            response.headers["WWW-Authenticate"] = "Bearer"
+            await response(scope, receive, send)
+            return
         route = self.direct.get((method, scope["path"]))
         if method in NO_BODY_METHODS:
             if route is not None and await route.answer(scope, receive, send, None):
@@ -124,6 +135,21 @@ class FrontMiddleware:
         if route is not None and await route.answer(scope, replay, send, body):
             return
         await self.app(scope, replay, send)
+
+    def _authorize(self, scope: Scope, method: str) -> str | None:
+        """Why the request is refused (None: it may go on); notes in the scope whether it holds
+        the control key, for routes where the body decides (``require_control_key``)."""
+        given = header(scope, b"authorization") or b""
+        holds_control = self.control_key is None or hmac.compare_digest(given, self.control_key)
+        scope[HOLDS_CONTROL_KEY] = holds_control
+        path = scope["path"]
+        if path in OPEN_PATHS or holds_control:
+            return None
+        if self.control_routes.need_key(method, path):
+            return CONTROL_KEY_MISSING
+        if self.inference_key is not None and not hmac.compare_digest(given, self.inference_key):
+            return "Missing or invalid API key"
+        return None
 
     async def _body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
         """The whole body, or None once the refusal is answered (or the client is gone)."""
@@ -175,6 +201,10 @@ class FrontMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+def _bearer(key: str | None) -> bytes | None:
+    return None if key is None else b"Bearer " + key.encode()
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:

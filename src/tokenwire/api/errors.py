@@ -110,11 +110,16 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
 def exception_response(request: Request, exc: Exception) -> Response | None:
     """The error response for an exception a route may raise; None for a bug (a 500)."""
     if isinstance(exc, RequestValidationError):
+        errors = exc.errors()
+        # A bad query parameter is named first: it is wrong whatever the body holds.
+        query_errors = [error for error in errors if error.get("loc", ())[:1] == ("query",)]
+        if query_errors:
+            message, param = describe_validation_error(RequestValidationError(query_errors))
+            return error_response(400, message, param)
         content_type = request.headers.get("content-type", "")
-        body_failed = any(error.get("loc", ())[:1] == ("body",) for error in exc.errors())
+        body_failed = any(error.get("loc", ())[:1] == ("body",) for error in errors)
         if request.method == "POST" and "json" not in content_type and body_failed:
-            # FastAPI only parses JSON bodies sent as JSON (curl -d sends a form type); a bad
-            # query parameter of a bodiless POST is not about the body.
+            # FastAPI only parses JSON bodies sent as JSON (curl -d sends a form type).
             return error_response(400, NOT_JSON, "Content-Type")
         message, param = describe_validation_error(exc)
         return error_response(400, message, param)

@@ -15,6 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from tokenwire.api.asgi import OPEN_PATHS
+from tokenwire.api.control_key import CONTROL
 from tokenwire.protocol.common import ErrorResponse
 
 _REF = "#/components/schemas/{model}"
@@ -26,6 +27,8 @@ _ERROR_DESCRIPTIONS = {
     "400": "Invalid request: a body or query parameter that fails validation, malformed JSON, "
     "or a lone UTF-16 surrogate escape in the body",
     "401": "Missing or invalid API key (only when the server has --api-key)",
+    "401-control": "Missing or invalid control key (--control-api-key, else --api-key; only when "
+    "the server has either)",
     "404": "The request names a model the server does not serve",
     "408": "The request body did not arrive within --request-read-timeout-s",
     "413": "Request body larger than --max-request-bytes",
@@ -109,10 +112,10 @@ def _document_errors(
     responses = operation.setdefault("responses", {})
     if _is_fastapi_validation_error(responses.get("422")):
         del responses["422"]
+    control = CONTROL in operation.get("tags", ())
     for status in _error_statuses(path, method, operation, components):
-        responses.setdefault(
-            status, {"description": _ERROR_DESCRIPTIONS[status], "content": _ERROR_CONTENT}
-        )
+        why = _ERROR_DESCRIPTIONS["401-control" if control and status == "401" else status]
+        responses.setdefault(status, {"description": why, "content": _ERROR_CONTENT})
 
 
 def _error_statuses(

@@ -1,16 +1,22 @@
 """The HTTP server process: uvicorn, with a graceful shutdown that ends every request cleanly.
 
-On SIGTERM or SIGINT the server stops taking work (new requests get a JSON 503, /health says
-so), lets running requests finish up to ``--shutdown-timeout``, then aborts the rest: they end
-with ``finish_reason: "abort"`` and their tokens so far (streams with a final chunk and
-``[DONE]``), and the process exits 0. A second signal stops it at once.
+On SIGTERM or SIGINT the server stops taking work: every request not yet in the engine (new,
+held by SGLang's pause, or still rendering) gets a JSON 503, /health says so. Requests in the
+engine finish up to ``--shutdown-timeout``, then the rest are aborted: they end with
+``finish_reason: "abort"`` and their tokens so far (streams with a final chunk and ``[DONE]``).
+What is still waiting then (a body that never arrives) is answered 503 too, and the process
+exits 0, a few seconds after the timeout at most. A second signal stops it at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
+import resource
 from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import uvicorn
@@ -20,10 +26,15 @@ from tokenwire.api.errors import error_body
 from tokenwire.pipeline.context import Pipeline
 from tokenwire.pipeline.jobs import JobRegistry
 
+if TYPE_CHECKING:
+    from tokenwire.settings import Settings
+
 logger = logging.getLogger("tokenwire")
 
 # After aborting, how long the aborted requests get to send their last bytes.
 _ABORT_GRACE_S = 5.0
+# Once the engine is done, how long answers already on their way get before the rest is 503.
+_SETTLE_S = 1.0
 _POLL_S = 0.05
 
 
@@ -52,7 +63,7 @@ class GracefulServer(uvicorn.Server):
         logger.info(
             "shutting down: finishing requests in flight (up to %gs)", self.shutdown_timeout_s
         )
-        self.pipeline.shutting_down = True  # new requests: 503
+        self.pipeline.shut_down()  # requests not yet in the engine: 503
         self._drain_task = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
@@ -62,6 +73,17 @@ class GracefulServer(uvicorn.Server):
             logger.warning("shutdown deadline reached: aborting %d request(s)", len(jobs))
             await jobs.abort(jobs.ids())
             await _wait_until_empty(jobs, _ABORT_GRACE_S)
+        requests = [task for task in self.server_state.tasks if not task.done()]
+        if requests:
+            # The answers of jobs that just ended are on their way; what is left after that
+            # never reached the engine (a body still arriving, a template or media fetch under
+            # way): cancelled, each is answered 503 (``api.asgi``) now, not a text/plain 500
+            # after uvicorn's own grace period.
+            _, pending = await asyncio.wait(requests, timeout=_SETTLE_S)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=_ABORT_GRACE_S)
         self.should_exit = True
 
 
@@ -72,13 +94,106 @@ async def _wait_until_empty(jobs: JobRegistry, timeout_s: float) -> None:
         await asyncio.sleep(_POLL_S)
 
 
-class JsonErrorHttpProtocol(HttpToolsProtocol):
-    """uvicorn's HTTP protocol, answering a malformed request with the JSON error body every
-    other failure has (uvicorn writes text/plain)."""
+class HttpProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP protocol with the guards it lacks, each answered with the JSON error body
+    every other failure has (uvicorn writes text/plain):
+
+    - a malformed request: 400;
+    - headers that do not arrive within ``header_timeout_s`` (of the connection opening or of
+      a keep-alive request's first byte): 408 and closed, so idle or trickling connections
+      cannot hold file descriptors for ever (uvicorn times out only idle keep-alive ones);
+    - a connection past ``max_connections`` open at once: 503 and closed at once;
+    - a client that reads nothing for ``send_timeout_s`` while output waits for it (the write
+      buffer full): the connection is dropped, which ends its request as a disconnect does
+      (its engine requests aborted); its waiting output is bounded by what that time makes.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        header_timeout_s: float,
+        max_connections: int,
+        send_timeout_s: float,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.header_timeout_s = header_timeout_s
+        self.max_connections = max_connections
+        self.send_timeout_s = send_timeout_s
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            self._refuse(503, f"The server has {self.max_connections} connections open")
+            return
+        self._arm_header_timer()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._header_timer is None:  # a keep-alive connection's next request
+            self._arm_header_timer()
+
+    def on_headers_complete(self) -> None:
+        self._cancel_header_timer()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        self._cancel_send_timer()
+        super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.send_timeout_s, self._client_stalled)
+
+    def resume_writing(self) -> None:
+        self._cancel_send_timer()
+        super().resume_writing()
+
+    def _cancel_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _client_stalled(self) -> None:
+        self._send_timer = None
+        logger.warning(
+            "dropping a connection whose client read nothing for %gs", self.send_timeout_s
+        )
+        # abort, not close: close waits to flush the buffer this client never reads.
+        self.transport.abort()
 
     def send_400_response(self, msg: str) -> None:
-        body = orjson.dumps(error_body(400, msg))
-        head = [STATUS_LINE[400]]
+        self._refuse(400, msg)
+
+    def _arm_header_timer(self) -> None:
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A pipelined request: an answer now would cut into the one being sent. The
+            # connection closes once that one is done.
+            self.cycle.keep_alive = False
+            return
+        message = f"The request headers did not arrive within {self.header_timeout_s:g} s"
+        self._refuse(408, message)
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer ``status`` with the JSON error body and close the connection."""
+        self._cancel_header_timer()
+        body = orjson.dumps(error_body(status, message))
+        head = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             head.extend([name, b": ", value, b"\r\n"])
         head.extend(
@@ -91,3 +206,43 @@ class JsonErrorHttpProtocol(HttpToolsProtocol):
         )
         self.transport.write(b"".join(head))
         self.transport.close()
+
+
+# File descriptors kept back from connections: model shards, template workers, media, logs.
+_RESERVED_FDS = 256
+_TARGET_OPEN_FILES = 65536  # as vLLM raises it at start-up
+
+
+def connection_cap(requested: int | None) -> int:
+    """``--max-connections``, or what the open-file limit allows (raised to its hard limit
+    first, as vLLM does) less a reserve: connections must run out before file descriptors."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = _TARGET_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, _TARGET_OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+    if requested is not None:
+        return requested
+    limit = _TARGET_OPEN_FILES if soft == resource.RLIM_INFINITY else soft
+    return max(limit - _RESERVED_FDS, 16)
+
+
+def uvicorn_config(app: Any, settings: Settings) -> uvicorn.Config:
+    """How ``tokenwire serve`` runs ``app`` under uvicorn (tests build the same)."""
+    protocol = functools.partial(
+        HttpProtocol,
+        header_timeout_s=settings.header_read_timeout_s,
+        max_connections=connection_cap(settings.max_connections),
+        send_timeout_s=settings.send_timeout_s,
+    )
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        loop="uvloop",
+        http=protocol,  # type: ignore[arg-type]
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )

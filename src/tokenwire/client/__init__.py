@@ -16,6 +16,7 @@ from tokenwire.client.errors import (
     TokenwireError,
     UnprocessableEntityError,
 )
+from tokenwire.client.fleet import AsyncFleet, Fleet
 from tokenwire.client.rollout import Rollout, RolloutError, RolloutResult, Turn
 from tokenwire.client.types import (
     ChatCompletion,
@@ -33,6 +34,7 @@ __all__ = [
     "APIConnectionError",
     "APIStatusError",
     "AsyncClient",
+    "AsyncFleet",
     "AuthenticationError",
     "BadRequestError",
     "ChatCompletion",
@@ -40,6 +42,7 @@ __all__ = [
     "Client",
     "Completion",
     "Extension",
+    "Fleet",
     "GenerateChunk",
     "GenerateResult",
     "InternalServerError",

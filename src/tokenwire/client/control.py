@@ -23,9 +23,10 @@ def _ignore(_: Any) -> None:
     return None
 
 
-def pause(mode: PauseMode, clear_cache: bool) -> Call[None]:
+def pause(mode: PauseMode, clear_cache: bool) -> Call[bool]:
     params = {"mode": mode, "clear_cache": str(clear_cache).lower()}
-    return Call("POST", "/pause", _ignore, params=params)
+    # "resumed": a resume overtook a "wait" pause while it drained; the server runs.
+    return Call("POST", "/pause", lambda data: data["status"] == "paused", params=params)
 
 
 def resume() -> Call[None]:
@@ -55,6 +56,27 @@ def update_weights(weight_dir: str, weight_version: str | None) -> Call[str]:
     return Call("POST", "/update_weights", _key("weight_version"), body)
 
 
+def init_weight_transfer_engine(init_info: dict[str, Any]) -> Call[None]:
+    return Call("POST", "/init_weight_transfer_engine", _ignore, {"init_info": init_info})
+
+
+def start_weight_update() -> Call[None]:
+    return Call("POST", "/start_weight_update", _ignore)
+
+
+def receive_weights(update_info: dict[str, Any]) -> Call[None]:
+    return Call("POST", "/update_weights", _ignore, {"update_info": update_info})
+
+
+def finish_weight_update(weight_version: str | None) -> Call[None]:
+    body = {} if weight_version is None else {"weight_version": weight_version}
+    return Call("POST", "/finish_weight_update", _ignore, body)
+
+
+def shutdown_weight_transfer_engine() -> Call[None]:
+    return Call("POST", "/shutdown_weight_transfer_engine", _ignore)
+
+
 def update_weight_version(new_version: str, abort_all_requests: bool) -> Call[None]:
     body = {"new_version": new_version, "abort_all_requests": abort_all_requests}
     return Call("POST", "/update_weight_version", _ignore, body)
@@ -78,10 +100,11 @@ class Control:
     def __init__(self, send: Callable[[Call[Any]], Any]) -> None:
         self._send = send
 
-    def pause(self, mode: PauseMode = "abort", *, clear_cache: bool = False) -> None:
+    def pause(self, mode: PauseMode = "abort", *, clear_cache: bool = False) -> bool:
         """``abort``: in-flight requests end now; ``wait``: they finish first; ``keep``: they
-        freeze and continue on resume (``clear_cache``: recomputed with the new weights)."""
-        self._send(pause(mode, clear_cache))
+        freeze and continue on resume (``clear_cache``: recomputed with the new weights).
+        False when a resume overtook a ``wait`` pause: the server is not paused."""
+        return self._send(pause(mode, clear_cache))
 
     def resume(self) -> None:
         self._send(resume())
@@ -105,6 +128,25 @@ class Control:
     def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> None:
         self._send(update_weight_version(new_version, abort_all_requests))
 
+    # vLLM's weight-transfer phases (``tokenwire.client.weights.WeightSender`` drives them).
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Answers once the trainer and every server joined the group."""
+        self._send(init_weight_transfer_engine(init_info))
+
+    def start_weight_update(self) -> None:
+        self._send(start_weight_update())
+
+    def receive_weights(self, update_info: dict[str, Any]) -> None:
+        """vLLM's ``/update_weights {update_info}``: answers once the broadcast is in."""
+        self._send(receive_weights(update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._send(finish_weight_update(weight_version))
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._send(shutdown_weight_transfer_engine())
+
     def weight_version(self) -> str:
         return self._send(weight_version())
 
@@ -122,8 +164,8 @@ class AsyncControl:
     def __init__(self, send: Callable[[Call[Any]], Awaitable[Any]]) -> None:
         self._send = send
 
-    async def pause(self, mode: PauseMode = "abort", *, clear_cache: bool = False) -> None:
-        await self._send(pause(mode, clear_cache))
+    async def pause(self, mode: PauseMode = "abort", *, clear_cache: bool = False) -> bool:
+        return await self._send(pause(mode, clear_cache))
 
     async def resume(self) -> None:
         await self._send(resume())
@@ -147,6 +189,21 @@ class AsyncControl:
         self, new_version: str, *, abort_all_requests: bool = False
     ) -> None:
         await self._send(update_weight_version(new_version, abort_all_requests))
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        await self._send(init_weight_transfer_engine(init_info))
+
+    async def start_weight_update(self) -> None:
+        await self._send(start_weight_update())
+
+    async def receive_weights(self, update_info: dict[str, Any]) -> None:
+        await self._send(receive_weights(update_info))
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        await self._send(finish_weight_update(weight_version))
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await self._send(shutdown_weight_transfer_engine())
 
     async def weight_version(self) -> str:
         return await self._send(weight_version())

@@ -8,12 +8,14 @@ again; they check only what is theirs (media tensors, duplicate ids, being up).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import numpy as np
+
+from tokenwire.weight_transfer import DEFAULT_PACKED_BUFFER_SIZE_BYTES, TensorMeta
 
 FinishReason = Literal["stop", "length", "abort"]
 # How a pause treats requests in flight (vLLM's names): "abort" ends them now with their
@@ -140,6 +142,34 @@ class WeightsError(EngineError):
     """New weights that do not fit the running model; the old weights stay."""
 
 
+class WeightTransferError(Exception):
+    """A weight broadcast that broke off (the trainer died, stalled past the timeout, or the
+    group failed): the model may hold some of the new tensors, and the group is gone."""
+
+
+@dataclass(frozen=True, slots=True)
+class WeightGroup:
+    """Where and how an engine joins a trainer's weight-transfer group (``weight_transfer``)."""
+
+    master_address: str
+    master_port: int
+    rank: int
+    world_size: int
+    backend: str
+    group_name: str
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class WeightUpdate:
+    """Tensors to receive over the group, in broadcast order; ``packed``: as vLLM's packed
+    chunks of ``buffer_size_bytes``, else one broadcast per tensor."""
+
+    tensors: tuple[TensorMeta, ...]
+    packed: bool = False
+    buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+
+
 class Engine(Protocol):
     """What every engine provides."""
 
@@ -161,8 +191,10 @@ class Engine(Protocol):
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         media: MultiModalInput | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
-        """Yield outputs until one carries a finish_reason. Closing the iterator aborts."""
+        """Yield outputs until one carries a finish_reason. Closing the iterator aborts.
+        Requests with different ``cache_salt`` never share prefix-cache blocks (vLLM's)."""
         ...
 
     async def abort(self, request_id: str) -> bool:
@@ -196,3 +228,35 @@ class Engine(Protocol):
     async def set_weight_version(self, version: str) -> None: ...
 
     async def reset_prefix_cache(self) -> bool: ...
+
+    # -- weight transfer: tensors from the trainer's process group, no checkpoint on disk -----
+
+    def weight_transfer_backends(self) -> tuple[str, ...]:
+        """The ``torch.distributed`` backends this engine can receive weights over (none: it
+        cannot)."""
+        ...
+
+    async def join_weight_group(self, group: WeightGroup) -> None:
+        """Join the trainer's group (blocks until every rank joined; off the event loop)."""
+        ...
+
+    async def leave_weight_group(self) -> None: ...
+
+    def check_weight_update(self, tensors: Sequence[TensorMeta]) -> None:
+        """``WeightsError`` unless every tensor names a weight of that shape, in a dtype it can
+        take; nothing is received before this passes."""
+        ...
+
+    async def receive_weights(self, update: WeightUpdate) -> None:
+        """Receive ``update`` (checked) into the model between steps; ``WeightTransferError``
+        when the broadcast breaks off."""
+        ...
+
+    def missing_weights(self, given: Collection[str]) -> list[str]:
+        """The model's weights ``given`` leaves out (tied weights count as given with their
+        twin)."""
+        ...
+
+    async def copy_weights(self, tensors: dict[str, Any]) -> None:
+        """Copy some of the model's weights (checked first) in between steps."""
+        ...

@@ -24,13 +24,15 @@ def create_engine(
     extra_args: Sequence[str] = (),
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     max_logprobs: int = 20,
+    allow_nonfinite_weights: bool = False,
 ) -> Engine:
     """An unstarted engine of ``kind``; ``extra_args`` are vLLM engine flags (vllm only).
 
     ``prefix_cache_bytes`` budgets the hf engine's prefix cache (0: off);
     vLLM sizes its own (``--enable-prefix-caching`` and its KV cache flags).
     ``max_logprobs`` is ``--max-logprobs``, which vLLM's engine checks again itself (the hf
-    engine serves any count the pipeline admits).
+    engine serves any count the pipeline admits). ``allow_nonfinite_weights`` lets the hf
+    engine load a checkpoint holding NaN or infinity (vLLM's loader reads its own).
     """
     if kind == "vllm":
         from tokenwire.engine.vllm import VLLMEngine
@@ -54,4 +56,5 @@ def create_engine(
         device=device,
         dtype=dtype,
         prefix_cache_bytes=prefix_cache_bytes,
+        allow_nonfinite_weights=allow_nonfinite_weights,
     )

@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import ipaddress
 import logging
 import os
 import socket
 import ssl
 import stat
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -38,16 +40,77 @@ Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
 _USER_AGENT = "tokenwire-media/0.1"
 
 
-async def system_resolve(host: str, port: int) -> list[str]:
-    """All addresses the system resolver gives (also normalises ``2130706433``, ``0x7f.1``)."""
-    loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+# Distinct lookups that may wait on DNS at once; one more fails at once rather than queueing.
+MAX_DNS_LOOKUPS = 64
+
+
+class SystemResolver:
+    """The system resolver (hosts file, DNS; also normalises ``2130706433``, ``0x7f.1``), each
+    lookup on a thread of its own.
+
+    Not on the event loop's default executor, as ``loop.getaddrinfo`` runs it: a few names whose
+    DNS never answers would fill that small pool, and every other client's lookups, image
+    decodes and renders would queue behind them. Here a lookup that hangs holds only its own
+    thread until the system gives up; each fetch stops waiting at its own deadline, and
+    concurrent fetches of one name share one lookup.
+    """
+
+    def __init__(self, max_lookups: int = MAX_DNS_LOOKUPS) -> None:
+        self._max_lookups = max_lookups
+        self._pending: dict[tuple[str, int], asyncio.Future[list[str]]] = {}
+
+    async def __call__(self, host: str, port: int) -> list[str]:
+        key = (host, port)
+        future = self._pending.get(key)
+        if future is None:
+            if len(self._pending) >= self._max_lookups:
+                raise OSError(f"{self._max_lookups} DNS lookups are already in flight")
+            loop = asyncio.get_running_loop()
+            future = self._pending[key] = loop.create_future()
+            future.add_done_callback(lambda _: self._forget(key))
+            threading.Thread(
+                target=_lookup, args=(loop, future, host, port), name="dns", daemon=True
+            ).start()
+        # Shielded: one caller reaching its deadline must not cancel the others' lookup.
+        return list(await asyncio.shield(future))
+
+    def _forget(self, key: tuple[str, int]) -> None:
+        future = self._pending.pop(key)
+        future.exception()  # retrieved here: every caller may have left at its deadline
+
+
+def _lookup(
+    loop: asyncio.AbstractEventLoop, future: asyncio.Future[list[str]], host: str, port: int
+) -> None:
+    """Runs on its own thread: resolve, then hand the answer (or error) to ``future``."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    except Exception as exc:
+        _settle(loop, future, exc)
+        return
     addresses: list[str] = []
     for _family, _type, _proto, _canon, sockaddr in infos:
         address = str(sockaddr[0])
         if address not in addresses:
             addresses.append(address)
-    return addresses
+    _settle(loop, future, addresses)
+
+
+def _settle(
+    loop: asyncio.AbstractEventLoop,
+    future: asyncio.Future[list[str]],
+    outcome: list[str] | Exception,
+) -> None:
+    def settle() -> None:
+        if future.done():
+            return
+        if isinstance(outcome, Exception):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+    with contextlib.suppress(RuntimeError):  # the loop closed while DNS was slow
+        loop.call_soon_threadsafe(settle)
 
 
 class MediaConnector:
@@ -61,7 +124,7 @@ class MediaConnector:
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.policy = policy
-        self._resolve = resolver or system_resolve
+        self._resolve = resolver or SystemResolver()
         self._local_root: Path | None = None
         if policy.allowed_local_path is not None:
             root = policy.allowed_local_path.resolve(strict=True)

@@ -20,7 +20,7 @@ from tokenwire.media.prompt import PromptMedia
 from tokenwire.media.refs import chat_media_refs
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.errors import InvalidRequest
-from tokenwire.pipeline.offload import run_text_work
+from tokenwire.pipeline.offload import run_text_work, text_size
 from tokenwire.protocol.chat import ChatMessage, TextPart
 from tokenwire.protocol.tokenize import ChatTemplateOptions
 from tokenwire.text.chat_template import (
@@ -104,11 +104,12 @@ async def render_template_text(
     caps, so it can neither stall the event loop nor take the server's memory.
     """
     source = _request_template(pipeline, options)
+    # Every input the template reads counts (16 MB of tools render as long as 16 MB of text).
+    size = text_size((options.messages, options.tools, options.chat_template_kwargs))
     if source is None:
-        size = sum(len(str(message.content or "")) for message in options.messages)
         return await run_text_work(size, lambda: _render_server_template(runtime, options))
     assert runtime.request_templates is not None  # built whenever request templates are trusted
-    messages, tools, kwargs = _template_inputs(source, options)
+    messages, tools, kwargs = await run_text_work(size, lambda: _template_inputs(source, options))
     try:
         return await runtime.request_templates.render(
             source,

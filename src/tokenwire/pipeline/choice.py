@@ -46,6 +46,7 @@ class ChoiceRequest:
     sampling: SamplingParams
     media: MultiModalInput | None = None
     prompt_only: bool = False  # the output is dropped: the prompt's logprobs are the answer
+    cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
 
 
 @dataclass(slots=True)

@@ -19,6 +19,7 @@ from tokenwire.settings import Settings
 from tokenwire.text.chat_template import ChatTemplate, RequestTemplateWorkers
 from tokenwire.text.token_text import TokenTextDecoder
 from tokenwire.text.tokenizer import Tokenizer
+from tokenwire.weight_transfer import TensorMeta, WeightTransferConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,10 @@ class ServingConfig:
     # --max-logprobs as given: -1 means the vocabulary size (see pipeline.logprob_limit).
     max_logprobs: int
     max_held_requests: int  # that may wait out SGLang's /pause_generation at once
+    # SGLang's --incremental-streaming-output: /generate stream chunks carry deltas.
+    incremental_streaming_output: bool
+    # --weight-transfer-config; None: vLLM's weight-transfer routes are refused.
+    weight_transfer: WeightTransferConfig | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ServingConfig:
@@ -54,6 +59,8 @@ class ServingConfig:
             max_n=settings.max_n,
             max_logprobs=settings.max_logprobs,
             max_held_requests=settings.max_held_requests,
+            incremental_streaming_output=settings.incremental_streaming_output,
+            weight_transfer=settings.weight_transfer_config,
         )
 
     @property
@@ -82,6 +89,30 @@ class ModelRuntime:
 
 
 @dataclass(slots=True)
+class TransferGroup:
+    """The open weight-transfer group, as ``init_info`` set it up."""
+
+    group_name: str
+    packed: bool
+    buffer_size_bytes: int
+
+
+@dataclass(slots=True)
+class TransferState:
+    """vLLM's four phases (see ``pipeline.weight_transfer``); one call at a time (``lock``)."""
+
+    group: TransferGroup | None = None
+    updating: bool = False  # between start and finish
+    received: set[str] = field(default_factory=set)  # tensor names of this update so far
+    previous: tuple[TensorMeta, ...] = ()  # what empty update_info lists repeat
+    # Why the weights are broken (an update that broke off or came incomplete): generation is
+    # refused until a complete update or a checkpoint reload.
+    failed: str | None = None
+    paused: bool = False  # the engine pause an update took itself, lifted when it completes
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass(slots=True)
 class ControlState:
     """What the RL control routes set (see ``pipeline.control``); every new request reads it."""
 
@@ -95,6 +126,9 @@ class ControlState:
     continued: asyncio.Event = field(default_factory=asyncio.Event)
     held: int = 0
     reloads: int = 0  # numbers the versions of reloads that name none
+    # Counts resumes, so a pause that a resume overtook (a "wait" still draining) can say so.
+    resumes: int = 0
+    transfer: TransferState = field(default_factory=TransferState)
 
     @property
     def sleeping(self) -> bool:
@@ -117,6 +151,12 @@ class Pipeline:
     def session_store(self) -> SessionStore:
         assert self.sessions is not None, "the app opens the session store at start"
         return self.sessions
+
+    def shut_down(self) -> None:
+        """Refuse every request not yet in the engine (503), from now on and those that wait
+        out SGLang's pause now; requests in the engine go on."""
+        self.shutting_down = True
+        self.control.continued.set()  # held requests look again, and find the server closing
 
     def ready(self, model: str | None = None) -> ModelRuntime:
         """The loaded model for a request naming ``model`` (missing or empty: the served one)."""

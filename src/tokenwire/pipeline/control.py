@@ -41,7 +41,13 @@ SGLANG_PAUSE_MODES: dict[str, tuple[str, bool]] = {
 def admit(pipeline: Pipeline) -> None:
     """Refuse a new request while asleep or paused by vLLM's ``abort`` / ``wait``. Under
     SGLang's pause one that got past ``wait_admitted`` queues in the paused engine."""
+    pipeline.ready()  # shutting down: a request not yet in the engine never enters it
     state = pipeline.control
+    if state.transfer.failed is not None:
+        raise NotReady(
+            f"The weights are not whole ({state.transfer.failed}); generation waits for a "
+            "complete weight update or a checkpoint reload"
+        )
     if state.sleeping:
         raise NotReady("The engine is sleeping; wake it up first")
     if state.pause_mode in ("abort", "wait") and not state.holding:
@@ -54,6 +60,7 @@ async def wait_admitted(pipeline: Pipeline) -> None:
     the client leaves: nothing has started yet. ``admit`` then decides as for any request."""
     state = pipeline.control
     while state.holding:
+        pipeline.ready()  # woken by a shutdown: a 503, not another wait
         if state.held >= pipeline.config.max_held_requests:
             raise NotReady(
                 f"Generation is paused and {state.held} requests already wait for "
@@ -71,18 +78,23 @@ def is_holding(pipeline: Pipeline) -> bool:
     return pipeline.control.holding
 
 
-async def pause(pipeline: Pipeline, mode: str, *, clear_cache: bool = False) -> int:
-    """Pause the engine; return how many requests were in flight."""
+async def pause(pipeline: Pipeline, mode: str, *, clear_cache: bool = False) -> bool:
+    """Pause the engine; return whether it is still paused when the pause is done: a resume
+    may overtake a ``wait`` pause while its requests drain (every concurrent caller is
+    answered then, and told so)."""
     if mode not in PAUSE_MODES:
         raise InvalidRequest(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
     engine = pipeline.ready().engine
     state = pipeline.control
+    resumes = state.resumes
     previous, state.pause_mode = state.pause_mode, mode  # type: ignore[assignment]
     try:
-        return await engine.pause(mode, clear_cache=clear_cache)  # type: ignore[arg-type]
+        await engine.pause(mode, clear_cache=clear_cache)  # type: ignore[arg-type]
     except BaseException:
-        state.pause_mode = previous
+        if state.resumes == resumes:
+            state.pause_mode = previous
         raise
+    return state.resumes == resumes
 
 
 async def pause_generation(pipeline: Pipeline, mode: str) -> None:
@@ -105,8 +117,25 @@ async def pause_generation(pipeline: Pipeline, mode: str) -> None:
 
 
 async def resume(pipeline: Pipeline) -> None:
+    """Resume, unless new weights are half in: then the answer says what completes them."""
+    transfer = pipeline.control.transfer
+    if transfer.failed is not None:
+        raise InvalidRequest(
+            f"not resumed: the weights are not whole ({transfer.failed}); send a complete "
+            "weight update or reload a checkpoint first"
+        )
+    if transfer.updating:
+        raise InvalidRequest(
+            "not resumed: a weight update is in progress; /finish_weight_update first"
+        )
+    await end_pause(pipeline)
+
+
+async def end_pause(pipeline: Pipeline) -> None:
+    """Resume without the checks of ``resume`` (a weight update lifting its own pause)."""
     await pipeline.ready().engine.resume()
     state = pipeline.control
+    state.resumes += 1
     state.pause_mode = None
     state.asleep = frozenset()
     # Last: a held request goes on to ``admit``, which must find the pause over.
@@ -216,39 +245,20 @@ async def load_weights(
     except EngineError as exc:
         raise InvalidRequest(f"weights not loaded: {exc}", "weight_dir") from exc
     state.reloads += 1
+    await weights_whole(pipeline)
     return version
 
 
-async def update_weights(
-    pipeline: Pipeline,
-    weight_dir: str | None,
-    version: str | None,
-    update_info: dict[str, Any] | None,
-) -> str:
-    """``/update_weights``: prime-rl's form loads ``weight_dir``; vLLM's (``update_info``) needs
-    the weight-transfer engine, which is not initialised here yet. Return the new version."""
-    if weight_dir is not None and update_info is not None:
-        raise InvalidRequest(
-            "update_info: send weight_dir (prime-rl's form) or update_info (vLLM's), not both",
-            "update_info",
-        )
-    if update_info is not None:
-        raise InvalidRequest(
-            "update_info: the weight-transfer engine is not initialised (vLLM's form of "
-            "/update_weights receives tensors over the group that POST "
-            "/init_weight_transfer_engine sets up, which this server does not serve yet); to "
-            'load a checkpoint directory send prime-rl\'s {"weight_dir": ..., '
-            '"weight_version": ...}',
-            "update_info",
-        )
-    if weight_dir is None:
-        raise InvalidRequest(
-            'weight_dir: Field required: /update_weights takes prime-rl\'s {"weight_dir": ..., '
-            '"weight_version"?} (a checkpoint directory) or vLLM\'s {"update_info": ...} '
-            "(after POST /init_weight_transfer_engine)",
-            "weight_dir",
-        )
-    return await load_weights(pipeline, weight_dir, version)
+async def weights_whole(pipeline: Pipeline) -> None:
+    """Every weight was just replaced (a checkpoint, or a complete transfer): an update that
+    broke off is mended, and the pause a weight update took is lifted."""
+    transfer = pipeline.control.transfer
+    transfer.failed = None
+    transfer.updating = False
+    transfer.received = set()
+    if transfer.paused:
+        transfer.paused = False
+        await end_pause(pipeline)
 
 
 async def set_weight_version(

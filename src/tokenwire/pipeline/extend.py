@@ -88,8 +88,9 @@ async def extend_chat(pipeline: Pipeline, body: ExtendRequest) -> dict[str, Any]
 
 async def extension(pipeline: Pipeline, runtime: ModelRuntime, body: ExtendRequest) -> Extension:
     """The next prompt's ids for ``body``, whose previous ids are checked."""
-    size = sum(len(str(m.content or "")) for m in [*body.previous_messages, *body.messages])
     renders = await _renders(pipeline, runtime, body)
+    # Its work is comparing and encoding the renders (tools included), not only the messages.
+    size = len(renders.full)
     return await run_text_work(size, lambda: extend_ids(pipeline, runtime, body, renders))
 
 

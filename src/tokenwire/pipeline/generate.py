@@ -51,6 +51,7 @@ def start_job(
                 engine_sampling(params, sample, sampling_mask=prompt.sampling_mask),
                 prompt.media,
                 prompt.prompt_only,
+                prompt.cache_salt,
             )
             decoder = None
             if parsing is not None or options.stop_strings:
@@ -263,6 +264,7 @@ async def start_generation(
         param="token_ids",
         media=media,
         sampling_mask=body.return_sampling_mask,
+        cache_salt=body.cache_salt,
     )
     parsing: Parsing | None = None
     if body.output_mode == "text":

@@ -80,7 +80,11 @@ class GenerationJob:
         """One choice's deltas; closing it aborts the engine request."""
         request = choice.request
         stream = self.engine.generate(
-            request.engine_id, request.prompt_ids, request.sampling, request.media
+            request.engine_id,
+            request.prompt_ids,
+            request.sampling,
+            request.media,
+            cache_salt=request.cache_salt,
         )
         try:
             async with contextlib.aclosing(stream):

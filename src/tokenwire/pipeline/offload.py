@@ -7,8 +7,10 @@ stay inline and only large ones go to a worker thread.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
 
 T = TypeVar("T")
 
@@ -19,3 +21,31 @@ async def run_text_work(size: int, work: Callable[[], T]) -> T:
     if size <= INLINE_CHARS:
         return work()
     return await asyncio.to_thread(work)
+
+
+def text_size(value: Any, limit: int = INLINE_CHARS) -> int:
+    """About how many characters ``value`` holds (its strings, one more per item), counted
+    through every field, nested or not (tools, tool calls, template kwargs...), but only until
+    the count passes ``limit``: sizing a huge request costs no more than a small one."""
+    size = 0
+    pending: list[Iterator[Any]] = [iter((value,))]
+    while pending and size <= limit:
+        item = next(pending[-1], _END)
+        if item is _END:
+            pending.pop()
+            continue
+        size += 1
+        if isinstance(item, str):
+            size += len(item)
+        elif isinstance(item, dict):
+            pending.append(iter(item.items()))
+        elif isinstance(item, list | tuple):
+            pending.append(iter(item))
+        elif isinstance(item, BaseModel):
+            pending.append(iter(item.__dict__.values()))
+            if item.__pydantic_extra__:
+                pending.append(iter(item.__pydantic_extra__.values()))
+    return size
+
+
+_END = object()

@@ -3,14 +3,15 @@
 TRL's trainers read it first (``vllm_config.model_config.dtype`` for the weights they send,
 the weight-transfer config); vLLM serves it in dev mode, tokenwire with the RL control routes.
 Only what tokenwire can state is filled in, under vLLM's section and field names: one process
-(as ``/get_world_size`` says), no LoRA, no speculative decoding, and no weight-transfer
-engine yet (``weight_transfer_config: null``).
+(as ``/get_world_size`` says), no LoRA, no speculative decoding, and the weight-transfer
+config as ``--weight-transfer-config`` gave it (null without the flag).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
+from tokenwire.pipeline import weight_transfer
 from tokenwire.pipeline.context import Pipeline
 
 ConfigFormat = Literal["text", "json"]
@@ -54,7 +55,7 @@ def vllm_config(pipeline: Pipeline) -> dict[str, Any]:
         },
         "lora_config": None,
         "speculative_config": None,
-        "weight_transfer_config": None,
+        "weight_transfer_config": weight_transfer.config_json(pipeline),
     }
 
 

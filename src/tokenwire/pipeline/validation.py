@@ -87,6 +87,7 @@ class ValidPrompt:
     prompt_only: bool = False
     # Report each output token's sampling support (``return_sampling_mask``).
     sampling_mask: bool = False
+    cache_salt: str | None = None
 
 
 def valid_prompt(
@@ -99,6 +100,7 @@ def valid_prompt(
     media: MultiModalInput | None = None,
     prompt_only: bool = False,
     sampling_mask: bool = False,
+    cache_salt: str | None = None,
 ) -> ValidPrompt:
     """A generate request's prompt and ``sampling_params``, checked."""
     max_tokens = check_prompt(runtime, token_ids, sampling.max_tokens, param=param)
@@ -106,7 +108,7 @@ def valid_prompt(
     check_scoring(runtime, token_ids, sampling, sampling_mask=sampling_mask)
     if sampling.max_tokens != max_tokens:
         sampling = sampling.model_copy(update={"max_tokens": max_tokens})
-    return ValidPrompt(token_ids, sampling, media, prompt_only, sampling_mask)
+    return ValidPrompt(token_ids, sampling, media, prompt_only, sampling_mask, cache_salt)
 
 
 def check_scoring(
@@ -215,7 +217,7 @@ def request_prompt(
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from exc
     check_n(config, sampling.n)
-    return ValidPrompt(token_ids, sampling, media, prompt_only)
+    return ValidPrompt(token_ids, sampling, media, prompt_only, cache_salt=body.cache_salt)
 
 
 def logprob_columns(content: list[Any], token_ids: Sequence[int], where: str) -> LogprobInput:

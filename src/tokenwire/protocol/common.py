@@ -27,6 +27,8 @@ MinP = Annotated[float, Field(ge=0.0, le=1.0)]
 TopK = Annotated[int, Field(ge=-1, le=INT64_MAX)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)]
+# vLLM's: prefix-cache blocks are shared only by requests with the same salt; empty is a 400.
+CacheSalt = Annotated[str, Field(min_length=1)]
 
 
 class RequestModel(BaseModel):

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from tokenwire.protocol.common import Int64, RequestModel
+from tokenwire.protocol.common import INT64_MAX, Int64, RequestModel, StrictRequestModel
+from tokenwire.weight_transfer import (
+    DEFAULT_GROUP_NAME,
+    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    DEFAULT_PACKED_NUM_BUFFERS,
+)
 
 Version = str  # a weight version label, as the trainer names it
 
@@ -33,14 +38,126 @@ class UpdateWeightVersionBody(RequestModel):
     abort_all_requests: bool = False
 
 
+Port = Annotated[int, Field(ge=1, le=65535)]
+PositiveInt = Annotated[int, Field(ge=1, le=INT64_MAX)]
+Dim = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
+class TransferInitInfo(StrictRequestModel):
+    """vLLM's NCCL ``init_info`` (``NCCLWeightTransferInitInfo``): the trainer is rank 0 and
+    this server joins at ``rank_offset``; ``packed`` and the buffer sizes live here in vLLM
+    0.33 (older clients send ``packed`` in ``update_info``, also read)."""
+
+    master_address: str | None = Field(default=None, min_length=1, max_length=255)
+    master_port: Port | None = None
+    rank_offset: PositiveInt
+    world_size: Annotated[int, Field(ge=2, le=65536)]
+    nccl_unique_id_b64: str | None = None
+    packed: bool = False
+    packed_buffer_size_bytes: PositiveInt = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: PositiveInt = DEFAULT_PACKED_NUM_BUFFERS
+
+    @model_validator(mode="after")
+    def _rank_in_group(self) -> TransferInitInfo:
+        if self.rank_offset >= self.world_size:
+            raise ValueError(
+                f"rank_offset {self.rank_offset} is outside a group of world_size "
+                f"{self.world_size} (the trainer is rank 0, servers 1..world_size-1)"
+            )
+        return self
+
+
+class InitWeightTransferBody(RequestModel):
+    init_info: TransferInitInfo
+
+
+class TransferUpdateInfo(StrictRequestModel):
+    """vLLM's ``update_info``: the tensors the trainer broadcasts next, in order. Empty lists
+    repeat the previous update's tensors. ``packed`` and the buffer size here are older
+    clients' (vLLM 0.33 reads them from ``init_info``); ``is_checkpoint_format`` is accepted
+    and has no effect (the hf engine takes checkpoint names)."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[Dim]]
+    packed: bool | None = None
+    packed_buffer_size_bytes: PositiveInt | None = None
+    packed_num_buffers: PositiveInt | None = None
+    is_checkpoint_format: bool = True
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> TransferUpdateInfo:
+        # vLLM's own messages (NCCLWeightTransferUpdateInfo.__post_init__)
+        if len(self.dtype_names) != len(self.names):
+            raise ValueError(
+                "`dtype_names` should be of the same size as `names`: "
+                f"got {len(self.dtype_names)} and {len(self.names)}"
+            )
+        if len(self.shapes) != len(self.names):
+            raise ValueError(
+                "`shapes` should be of the same size as `names`: "
+                f"got {len(self.shapes)} and {len(self.names)}"
+            )
+        return self
+
+
 class UpdateWeightsBody(RequestModel):
     """``/update_weights`` in either client's form: prime-rl's checkpoint directory of the same
     architecture (``weight_dir``), or vLLM's weight-transfer step (``update_info``, tensors
-    from the trainer's group); ``pipeline.control.update_weights`` tells them apart."""
+    from the trainer's group; a list holds one entry per receiving rank, as vLLM's data-parallel
+    form: this server is rank 0 of it); ``pipeline.control.update_weights`` tells them apart."""
 
     weight_dir: str | None = Field(default=None, min_length=1)
     weight_version: str | None = Field(default=None, min_length=1, max_length=256)
-    update_info: dict[str, Any] | None = None
+    update_info: TransferUpdateInfo | list[TransferUpdateInfo] | None = None
+
+
+class FinishWeightUpdateBody(RequestModel):
+    weight_version: str | None = Field(default=None, min_length=1, max_length=256)
+
+
+class InitWeightsUpdateGroupBody(RequestModel):
+    """SGLang's ``/init_weights_update_group``."""
+
+    master_address: str = Field(min_length=1, max_length=255)
+    master_port: Port
+    rank_offset: PositiveInt
+    world_size: Annotated[int, Field(ge=2, le=65536)]
+    group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1, max_length=256)
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedBody(RequestModel):
+    """SGLang's ``/update_weights_from_distributed``: ``names``/``dtypes``/``shapes`` lists,
+    or an older client's one ``name``/``dtype``/``shape``."""
+
+    names: list[str] | None = None
+    dtypes: list[str] | None = None
+    shapes: list[list[Dim]] | None = None
+    name: str | None = None
+    dtype: str | None = None
+    shape: list[Dim] | None = None
+    group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1, max_length=256)
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = Field(default=None, min_length=1, max_length=256)
+    load_format: str | None = None
+
+
+class DestroyWeightsUpdateGroupBody(RequestModel):
+    group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1, max_length=256)
+
+
+class UpdateWeightsFromTensorBody(RequestModel):
+    """SGLang's ``/update_weights_from_tensor``: one serialized entry per tensor-parallel rank
+    (this server reads the first). Only ``load_format: "safetensors"`` (each entry the base64
+    of a safetensors file) is taken; SGLang's default is pickled tensors."""
+
+    serialized_named_tensors: list[str] = Field(min_length=1)
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = Field(default=None, min_length=1, max_length=256)
 
 
 class UpdateWeightsFromDiskBody(RequestModel):

@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from tokenwire.protocol.chat import Tool
 from tokenwire.protocol.common import (
     INT64_MAX,
+    CacheSalt,
     Int64,
     MinP,
     NonNegativeInt64,
@@ -209,7 +210,7 @@ class GenerateRequest(RequestModel):
     stream_options: StreamOptions | None = None
     features: MultiModalFeatures | None = None
     content_parts: list[ContentPart] | None = None
-    cache_salt: str | None = None
+    cache_salt: CacheSalt | None = None
     priority: Int64 = 0
     kv_transfer_params: dict[str, Any] | None = None
     # vLLM 0.33: "tokens" (ids only), "text" (and each choice's text), "derender" (and each

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from tokenwire.protocol.common import (
+    CacheSalt,
     Int64,
     MinP,
     NonNegativeInt64,
@@ -49,7 +50,7 @@ class SamplingFields(RequestModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    cache_salt: str | None = None
+    cache_salt: CacheSalt | None = None
     priority: Int64 = 0
     request_id: str | None = None
     logit_bias: dict[str, float] | None = None

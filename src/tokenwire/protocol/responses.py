@@ -274,8 +274,23 @@ class UpdateWeightVersionResponse(BaseModel):
 
 
 class UpdateWeightsResponse(BaseModel):
+    """prime-rl's answer (``weight_dir``); vLLM's form is answered with a ``MessageResponse``."""
+
     success: bool
     weight_version: str
+
+
+class MessageResponse(BaseModel):
+    """vLLM's weight-transfer answers: ``{"message": "Weights updated"}`` and the like."""
+
+    message: str
+
+
+class SuccessMessageResponse(BaseModel):
+    """SGLang's weight-update answers."""
+
+    success: bool
+    message: str
 
 
 class UpdateWeightsFromDiskResponse(BaseModel):

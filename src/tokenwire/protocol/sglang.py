@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from tokenwire.protocol.common import (
     INT64_MAX,
+    CacheSalt,
     Int64,
     MinP,
     NonNegativeInt64,
@@ -22,6 +23,37 @@ from tokenwire.protocol.common import (
 
 # SGLang's default when a request names no max_new_tokens.
 DEFAULT_MAX_NEW_TOKENS = 128
+# SGLang fields that change the output (constrained decoding, biases, media, adapters, extra
+# outputs) and that tokenwire does not implement: a 400 naming the field when set to anything
+# but its "off" value, never a 200 that silently ignored it.
+UNSUPPORTED_SAMPLING_FIELDS = (
+    "regex",
+    "json_schema",
+    "ebnf",
+    "structural_tag",
+    "stop_regex",
+    "logit_bias",
+    "custom_params",
+)
+UNSUPPORTED_FIELDS = (
+    "image_data",
+    "video_data",
+    "audio_data",
+    "input_embeds",
+    "lora_path",
+    "lora_id",
+    "custom_logit_processor",
+    "session_params",
+    "token_ids_logprob",
+    "return_hidden_states",
+    "return_routed_experts",
+)
+
+
+def _refuse_if_set(value: Any, info: ValidationInfo) -> Any:
+    if value not in (None, False, "", [], {}):
+        raise ValueError(f"{info.field_name} is not supported by tokenwire's /generate")
+    return value
 
 
 class SGLangSamplingParams(RequestModel):
@@ -43,6 +75,16 @@ class SGLangSamplingParams(RequestModel):
     repetition_penalty: RepetitionPenalty = 1.0
     sampling_seed: Int64 | None = None
     n: NonNegativeInt64 = Field(default=1, ge=1)
+    # Refused when set; see UNSUPPORTED_SAMPLING_FIELDS.
+    regex: Any = None
+    json_schema: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
+    stop_regex: Any = None
+    logit_bias: Any = None
+    custom_params: Any = None
+
+    _unsupported = field_validator(*UNSUPPORTED_SAMPLING_FIELDS)(_refuse_if_set)
 
 
 class SGLangGenerateRequest(RequestModel):
@@ -58,10 +100,24 @@ class SGLangGenerateRequest(RequestModel):
     logprob_start_len: Int64 = -1
     rid: str | list[str] | None = None
     stream: bool = False
-    # Accepted as on generate: the hf engine's prefix cache is not partitioned by it (docs/api.md).
-    cache_salt: str | list[str] | None = None
+    # One salt, or one per prompt of a batch (SGLang's).
+    cache_salt: CacheSalt | list[CacheSalt] | None = None
     # Each output token's sampling support in ``meta_info`` (SGLang's).
     return_sampling_mask: bool = False
+    # Refused when set; see UNSUPPORTED_FIELDS.
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    input_embeds: Any = None
+    lora_path: Any = None
+    lora_id: Any = None
+    custom_logit_processor: Any = None
+    session_params: Any = None
+    token_ids_logprob: Any = None
+    return_hidden_states: Any = None
+    return_routed_experts: Any = None
+
+    _unsupported = field_validator(*UNSUPPORTED_FIELDS)(_refuse_if_set)
 
     @model_validator(mode="after")
     def _prompts(self) -> SGLangGenerateRequest:
@@ -80,6 +136,8 @@ class SGLangGenerateRequest(RequestModel):
             raise ValueError("rid must be at most 256 characters")
         if isinstance(self.rid, list) and len(rids) != len(self.prompts):
             raise ValueError("a list of rids needs one per prompt")
+        if isinstance(self.cache_salt, list) and len(self.cache_salt) != len(self.prompts):
+            raise ValueError("a list of cache_salt needs one per prompt")
         return self
 
     @property
@@ -88,6 +146,13 @@ class SGLangGenerateRequest(RequestModel):
         if self.text is not None:
             return isinstance(self.text, list)
         return bool(self.input_ids) and all(isinstance(i, list) for i in self.input_ids or ())
+
+    @property
+    def cache_salts(self) -> list[str | None]:
+        """Each prompt's salt."""
+        if isinstance(self.cache_salt, list):
+            return list(self.cache_salt)
+        return [self.cache_salt] * len(self.prompts)
 
     @property
     def prompts(self) -> list[str] | list[list[int]]:

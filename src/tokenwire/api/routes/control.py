@@ -1,7 +1,8 @@
 """RL-loop control routes, under vLLM's, prime-rl's and SGLang's names (``--enable-rl-control``).
 
-Always behind ``--api-key`` when one is set; off unless the flag is given, since any caller
-could otherwise stop the server or load weights from its disk.
+Every route here needs the control key (``api.control_key``: the router's ``CONTROL`` tag) when
+the server has one; off unless the flag is given, since any caller could otherwise stop the
+server or load weights from its disk.
 """
 
 from __future__ import annotations
@@ -11,26 +12,35 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from starlette.responses import PlainTextResponse, Response
 
+from tokenwire.api.control_key import CONTROL
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import pipeline_of
-from tokenwire.pipeline import control
+from tokenwire.pipeline import control, weight_transfer
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.server_info import ConfigFormat, server_info
 from tokenwire.protocol.control import (
+    DestroyWeightsUpdateGroupBody,
+    FinishWeightUpdateBody,
+    InitWeightsUpdateGroupBody,
+    InitWeightTransferBody,
     MemoryOccupationBody,
     PauseGenerationBody,
     SleepBody,
     UpdateWeightsBody,
     UpdateWeightsFromDiskBody,
+    UpdateWeightsFromDistributedBody,
+    UpdateWeightsFromTensorBody,
     UpdateWeightVersionBody,
     WakeUpBody,
 )
 from tokenwire.protocol.responses import (
     IsPausedResponse,
     IsSleepingResponse,
+    MessageResponse,
     MessageStatusResponse,
     ServerInfoResponse,
     StatusResponse,
+    SuccessMessageResponse,
     SuccessResponse,
     UpdateWeightsFromDiskResponse,
     UpdateWeightsResponse,
@@ -39,7 +49,7 @@ from tokenwire.protocol.responses import (
     WorldSizeResponse,
 )
 
-router = APIRouter(tags=["rl-control"])
+router = APIRouter(tags=[CONTROL])
 
 # SGLang's answers: JSON null (memory routes) and a text (flush; clients match its start).
 _SGLANG_NULL: dict[int | str, dict[str, Any]] = {
@@ -56,8 +66,8 @@ _SGLANG_FLUSHED = (
 
 @router.post("/pause", response_model=StatusResponse)
 async def pause(request: Request, mode: str = "abort", clear_cache: bool = False) -> Response:
-    await control.pause(pipeline_of(request), mode, clear_cache=clear_cache)
-    return OrjsonResponse({"status": "paused"})
+    paused = await control.pause(pipeline_of(request), mode, clear_cache=clear_cache)
+    return OrjsonResponse({"status": "paused" if paused else "resumed"})
 
 
 @router.post("/resume", response_model=StatusResponse)
@@ -117,12 +127,83 @@ async def weight_info(request: Request) -> Response:
     return OrjsonResponse({"weight_version": engine.weight_version})
 
 
-@router.post("/update_weights", response_model=UpdateWeightsResponse)
+@router.post("/update_weights", response_model=UpdateWeightsResponse | MessageResponse)
 async def update_weights(body: UpdateWeightsBody, request: Request) -> Response:
-    version = await control.update_weights(
+    """prime-rl's checkpoint directory, or vLLM's ``update_info`` (between start and finish)."""
+    version = await weight_transfer.update_weights(
         pipeline_of(request), body.weight_dir, body.weight_version, body.update_info
     )
+    if version is None:
+        return OrjsonResponse({"message": "Weights updated"})
     return OrjsonResponse({"success": True, "weight_version": version})
+
+
+# -- weight transfer: vLLM's four phases, then SGLang's names ---------------------------------
+
+
+@router.post("/init_weight_transfer_engine", response_model=MessageResponse)
+async def init_weight_transfer_engine(body: InitWeightTransferBody, request: Request) -> Response:
+    """Join the trainer's group (answers once every rank joined)."""
+    await weight_transfer.init(pipeline_of(request), body.init_info)
+    return OrjsonResponse({"message": "Weight transfer initialized"})
+
+
+@router.post("/start_weight_update", response_model=MessageResponse)
+async def start_weight_update(request: Request) -> Response:
+    await weight_transfer.start(pipeline_of(request))
+    return OrjsonResponse({"message": "Weight update started"})
+
+
+@router.post("/finish_weight_update", response_model=MessageResponse)
+async def finish_weight_update(
+    request: Request, body: FinishWeightUpdateBody | None = None
+) -> Response:
+    version = None if body is None else body.weight_version
+    await weight_transfer.finish(pipeline_of(request), version)
+    return OrjsonResponse({"message": "Weight update finished"})
+
+
+@router.post("/shutdown_weight_transfer_engine", response_model=MessageResponse)
+async def shutdown_weight_transfer_engine(request: Request) -> Response:
+    await weight_transfer.shutdown(pipeline_of(request))
+    return OrjsonResponse({"message": "Weight transfer shut down"})
+
+
+@router.post("/init_weights_update_group", response_model=SuccessMessageResponse)
+async def init_weights_update_group(body: InitWeightsUpdateGroupBody, request: Request) -> Response:
+    await weight_transfer.init_group(pipeline_of(request), body)
+    return OrjsonResponse(
+        {"success": True, "message": "Succeeded to initialize custom process group."}
+    )
+
+
+@router.post("/update_weights_from_distributed", response_model=SuccessMessageResponse)
+async def update_weights_from_distributed(
+    body: UpdateWeightsFromDistributedBody, request: Request
+) -> Response:
+    await weight_transfer.update_from_distributed(pipeline_of(request), body)
+    return OrjsonResponse(
+        {"success": True, "message": "Succeeded to update parameter online from distributed."}
+    )
+
+
+@router.post("/destroy_weights_update_group", response_model=SuccessMessageResponse)
+async def destroy_weights_update_group(
+    request: Request, body: DestroyWeightsUpdateGroupBody | None = None
+) -> Response:
+    group_name = DestroyWeightsUpdateGroupBody().group_name if body is None else body.group_name
+    await weight_transfer.shutdown(pipeline_of(request), group_name)
+    return OrjsonResponse(
+        {"success": True, "message": "Succeeded to destroy custom process group."}
+    )
+
+
+@router.post("/update_weights_from_tensor", response_model=SuccessMessageResponse)
+async def update_weights_from_tensor(
+    body: UpdateWeightsFromTensorBody, request: Request
+) -> Response:
+    await weight_transfer.update_from_tensor(pipeline_of(request), body)
+    return OrjsonResponse({"success": True, "message": "Succeeded to update model weights."})
 
 
 @router.post("/update_weights_from_disk", response_model=UpdateWeightsFromDiskResponse)

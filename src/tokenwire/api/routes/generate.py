@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from tokenwire.api.admission import admitted
+from tokenwire.api.control_key import require_control_key
 from tokenwire.api.disconnect import unless_disconnected
 from tokenwire.api.openapi import MEDIA_ERRORS, streamed
 from tokenwire.api.responses import OrjsonResponse
@@ -41,7 +42,10 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
 
 @router.post("/abort_requests", response_model=AbortResponse)
 async def abort_requests(body: AbortRequestsBody, request: Request) -> Response:
-    """vLLM's: missing or empty ``request_ids`` aborts every running request."""
+    """vLLM's: missing or empty ``request_ids`` aborts every running request (every client's:
+    that needs the control key)."""
+    if not body.request_ids:
+        require_control_key(request)
     aborted = await control.abort_requests(pipeline_of(request), body.request_ids)
     return OrjsonResponse({"status": "aborted", "aborted": aborted})
 

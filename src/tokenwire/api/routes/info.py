@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import PlainTextResponse, Response
 
 from tokenwire import __version__
+from tokenwire.api.control_key import CONTROL
 from tokenwire.api.errors import error_response
 from tokenwire.api.metrics import Metrics
 from tokenwire.api.responses import OrjsonResponse
@@ -55,7 +56,8 @@ async def version() -> Response:
     return OrjsonResponse({"version": __version__})
 
 
-@router.get("/metrics", response_class=PlainTextResponse)
+# The operator's: request counts and load say what other clients do.
+@router.get("/metrics", response_class=PlainTextResponse, tags=[CONTROL])
 async def metrics(request: Request) -> Response:
     registry: Metrics = request.app.state.metrics
     return Response(registry.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from tokenwire.api.admission import admitted
+from tokenwire.api.control_key import require_control_key
 from tokenwire.api.disconnect import unless_disconnected
 from tokenwire.api.openapi import streamed
 from tokenwire.api.responses import OrjsonResponse
@@ -45,6 +46,8 @@ async def generate(body: SGLangGenerateRequest, request: Request) -> Response:
 
 @router.post("/abort_request", response_class=Response)
 async def abort_request(body: AbortRequestBody, request: Request) -> Response:
+    if body.abort_all:  # every client's requests
+        require_control_key(request)
     ids = None if body.abort_all else [body.rid]
     await control.abort_requests(pipeline_of(request), ids)
     return Response(status_code=200)

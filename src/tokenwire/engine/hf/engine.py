@@ -11,7 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +24,16 @@ from tokenwire.engine.base import (
     EngineStats,
     PauseMode,
     SamplingParams,
-    WeightsError,
+    WeightGroup,
+    WeightUpdate,
 )
 from tokenwire.engine.defaults import DEFAULT_PREFIX_CACHE_BYTES
+from tokenwire.engine.hf.checkpoint import read_checkpoint
 from tokenwire.engine.hf.handoff import (
     Abort,
     Add,
     Command,
+    NewWeights,
     Pause,
     Reply,
     Request,
@@ -39,11 +42,13 @@ from tokenwire.engine.hf.handoff import (
     SetVersion,
     Sink,
     Stop,
-    SwapWeights,
 )
 from tokenwire.engine.hf.multimodal import RequestMedia, VisionSpec, check_media
+from tokenwire.engine.hf.prefix_cache import salt_key
 from tokenwire.engine.hf.runner import ModelRunner
 from tokenwire.engine.hf.scheduler import Scheduler
+from tokenwire.engine.hf.weight_receiver import WeightReceiver
+from tokenwire.weight_transfer import TensorMeta
 
 logger = logging.getLogger(__name__)
 
@@ -92,24 +97,6 @@ def _merge(items: list[EngineOutput]) -> EngineOutput:
     return merged
 
 
-def read_checkpoint(weight_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a HF checkpoint directory's ``*.safetensors`` files, on the CPU."""
-    from safetensors.torch import load_file
-
-    if not weight_dir.is_dir():
-        raise WeightsError(f"{weight_dir} is not a directory")
-    files = sorted(weight_dir.glob("*.safetensors"))
-    if not files:
-        raise WeightsError(f"{weight_dir} holds no *.safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            tensors.update(load_file(file, device="cpu"))
-        except Exception as exc:  # a truncated or foreign file
-            raise WeightsError(f"{file.name} is not a readable safetensors file: {exc}") from exc
-    return tensors
-
-
 class HFEngine:
     """Continuous batching for one transformers causal LM on CPU or CUDA (see the package)."""
 
@@ -128,11 +115,13 @@ class HFEngine:
         device: str | None = None,
         dtype: torch.dtype | str | None = None,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+        allow_nonfinite_weights: bool = False,
     ) -> None:
         from transformers import AutoConfig
 
         self.model_dir = Path(model_dir)
         self.model_name = self.model_dir.name
+        self.allow_nonfinite_weights = allow_nonfinite_weights
         self.config = AutoConfig.from_pretrained(self.model_dir)
         text_config = self.config.get_text_config(decoder=True)
         limit = int(getattr(text_config, "max_position_embeddings", 0) or MAX_MODEL_LEN_CAP)
@@ -161,6 +150,7 @@ class HFEngine:
             max_model_len=self.max_model_len,
             prefix_cache_bytes=prefix_cache_bytes,
         )
+        self._receiver = WeightReceiver(self._runner)
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
@@ -225,6 +215,7 @@ class HFEngine:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         media: Any | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Stream a request's outputs; closing the iterator early aborts it in the engine."""
         prompt = list(prompt_token_ids)
@@ -233,7 +224,15 @@ class HFEngine:
             raise EngineError(f"request id {request_id!r} is already running")
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
         self._live[request_id] = sink
-        request = Request(request_id, prompt, sampling, sink, checked, has_images=bool(checked))
+        request = Request(
+            request_id,
+            prompt,
+            sampling,
+            sink,
+            checked,
+            has_images=bool(checked),
+            salt=salt_key(cache_salt),
+        )
         self._inbox.put(Add(request))
         finished = False
         try:
@@ -282,8 +281,45 @@ class HFEngine:
 
     async def load_weights(self, weight_dir: Path, version: str) -> None:
         """Read the checkpoint on a worker thread, then swap it in between two steps."""
-        tensors = await asyncio.to_thread(read_checkpoint, Path(weight_dir))
-        await self._command(lambda reply: SwapWeights(tensors, version, reply))
+        tensors = await asyncio.to_thread(
+            read_checkpoint, Path(weight_dir), allow_nonfinite=self.allow_nonfinite_weights
+        )
+        runner = self._runner
+        await self._command(
+            lambda reply: NewWeights(lambda: runner.swap_weights(tensors), version, reply)
+        )
+
+    # -- weight transfer ----------------------------------------------------------------------
+
+    def weight_transfer_backends(self) -> tuple[str, ...]:
+        return self._receiver.backends()
+
+    async def join_weight_group(self, group: WeightGroup) -> None:
+        """Off the engine thread: requests go on while the trainer gathers its ranks."""
+        await asyncio.to_thread(self._receiver.join, group)
+
+    async def leave_weight_group(self) -> None:
+        await asyncio.to_thread(self._receiver.leave)
+
+    def check_weight_update(self, tensors: Sequence[TensorMeta]) -> None:
+        self._runner.check_weights((t.name, t.dtype, t.shape) for t in tensors)
+
+    async def receive_weights(self, update: WeightUpdate) -> None:
+        receiver = self._receiver
+        await self._command(lambda reply: NewWeights(lambda: receiver.receive(update), None, reply))
+
+    def missing_weights(self, given: Collection[str]) -> list[str]:
+        return self._runner.missing_weights(given)
+
+    async def copy_weights(self, tensors: dict[str, Any]) -> None:
+        runner = self._runner
+        runner.check_weights((name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
+
+        def copy() -> None:
+            for name, tensor in tensors.items():
+                runner.copy_weight(name, tensor)
+
+        await self._command(lambda reply: NewWeights(copy, None, reply))
 
     async def set_weight_version(self, version: str) -> None:
         await self._command(lambda reply: SetVersion(version, reply))
@@ -306,6 +342,7 @@ class HFEngine:
             return
         self._inbox.put(Stop())
         await asyncio.to_thread(thread.join)
+        await self.leave_weight_group()
         self._thread = None
 
     def _run(self) -> None:

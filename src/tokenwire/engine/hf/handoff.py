@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,7 @@ class Request:
     # tokens the next prefill takes from the cache.
     prompt_keys: list[bytes] | None = None
     num_cached: int = 0
+    salt: bytes = b""  # ``prefix_cache.salt_key`` of its cache_salt
     # New weights came in after its prefill: its KV mixes two weight versions, keep none of it.
     stale_kv: bool = False
 
@@ -124,11 +126,13 @@ class Resume:
 
 
 @dataclass(slots=True)
-class SwapWeights:
-    """New weights read off the engine thread; validated and copied in between steps."""
+class NewWeights:
+    """Weights to put into the model between steps: ``load`` runs on the engine thread (a
+    checkpoint read off it and copied in, or a broadcast received); ``version`` (None: kept)
+    names them once ``load`` returns."""
 
-    tensors: dict[str, Any]
-    version: str
+    load: Callable[[], None]
+    version: str | None
     reply: Reply
 
 
@@ -143,7 +147,7 @@ class ResetPrefixCache:
     reply: Reply
 
 
-Command = Add | Abort | Stop | Pause | Resume | SwapWeights | SetVersion | ResetPrefixCache
+Command = Add | Abort | Stop | Pause | Resume | NewWeights | SetVersion | ResetPrefixCache
 # One step's outputs (or the error that ended a stream), in the order they were made.
 Emits = list[tuple[Sink, EngineOutput | BaseException]]
 

@@ -3,7 +3,10 @@
 Keys: a hash chain of fixed-size blocks, as vLLM does. Block ``i`` (tokens ``16i .. 16i+15``)
 has the key ``blake2b(key of block i-1 + its ids)``, so one key names the whole prefix up to the
 end of its block, and a lookup walks a prompt's keys until the first miss. blake2b, not Python's
-``hash``: ids come from clients, and a crafted collision would serve another prompt's KV.
+``hash``: ids come from clients, and a crafted collision would serve another prompt's KV. A
+request's ``cache_salt`` (vLLM's) seeds the chain in place of the empty key, so requests with
+different salts never share a block: without one, a client can tell from ``cached_tokens`` (or
+timing) whether another sent a prefix, as on vLLM.
 
 Storage: segments. A segment holds, per layer, the keys and values ``[kv_heads, 16 * blocks,
 head_dim]`` of consecutive blocks one request added beyond what was cached already, and its
@@ -39,11 +42,21 @@ BLOCK_TOKENS = 16
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [H, T, D]
 
 
-def block_keys(tokens: Sequence[int], known: Sequence[bytes] = ()) -> list[bytes]:
-    """The keys of every full block of ``tokens``; ``known`` are keys of a prefix of them."""
+def salt_key(cache_salt: str | None) -> bytes:
+    """What a request's first block chains from: b"" without a salt."""
+    if cache_salt is None:
+        return b""
+    return hashlib.blake2b(cache_salt.encode(), digest_size=16, person=b"cache_salt").digest()
+
+
+def block_keys(
+    tokens: Sequence[int], known: Sequence[bytes] = (), salt: bytes = b""
+) -> list[bytes]:
+    """The keys of every full block of ``tokens``; ``known`` are keys of a prefix of them;
+    ``salt`` is the request's ``salt_key``."""
     count = len(tokens) // BLOCK_TOKENS
     keys = list(known[:count])
-    prev = keys[-1] if keys else b""
+    prev = keys[-1] if keys else salt
     for i in range(len(keys), count):
         ids = array("q", tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS]).tobytes()
         prev = hashlib.blake2b(prev + ids, digest_size=16).digest()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,7 @@ class ModelRunner:
         self.dtype = pick_dtype(dtype, self.device)
         self.eos_token_ids: tuple[int, ...] = ()
         self.model: Any = None
+        self.weights: dict[str, torch.Tensor] = {}
         self.cache: PaddedBatchCache | None = None
         self._num_layers = 0
         self._cache_kwarg = "cache"
@@ -138,6 +140,9 @@ class ModelRunner:
         eos_list = eos if isinstance(eos, list | tuple) else [eos]
         self.eos_token_ids = tuple(int(e) for e in eos_list if e is not None)
         self.model = model
+        # Every weight by its checkpoint name (tied ones under both), read once: new weights
+        # are checked against it and copied into it.
+        self.weights: dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
         # transformers 5.24 renamed the forward's past_key_values to cache; .venv-vllm has 5.19.
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -148,27 +153,43 @@ class ModelRunner:
     def swap_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy a checkpoint's tensors into the model in place, all or nothing.
 
-        Every tensor must name a parameter of the same shape, and every parameter must be given
+        Every tensor must name a weight of the same shape, and every weight must be given
         (or share its storage with one that is: tied embeddings are saved once). Checked before
         anything is copied, so a mismatch leaves the old weights untouched.
         """
-        params = self.model.state_dict(keep_vars=True)
-        unexpected = sorted(set(tensors) - set(params))
-        if unexpected:
-            raise WeightsError(f"tensors the model does not have: {', '.join(unexpected[:5])}")
-        given = {params[name].data_ptr() for name in tensors}
-        missing = [n for n, p in params.items() if n not in tensors and p.data_ptr() not in given]
+        self.check_weights((name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
+        missing = self.missing_weights(tensors)
         if missing:
             raise WeightsError(f"tensors missing from the checkpoint: {', '.join(missing[:5])}")
         for name, tensor in tensors.items():
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise WeightsError(
-                    f"{name} has shape {tuple(tensor.shape)}; the model's is "
-                    f"{tuple(params[name].shape)}"
-                )
+            self.copy_weight(name, tensor)
+
+    def check_weights(self, tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+        """``WeightsError`` unless each (name, dtype, shape) names a weight of that shape in a
+        floating dtype (copied in with the model's dtype, as vLLM's ``load_weights`` does)."""
+        params = self.weights
+        unexpected: list[str] = []
+        for name, dtype, shape in tensors:
+            param = params.get(name)
+            if param is None:
+                unexpected.append(name)
+            elif shape != tuple(param.shape):
+                raise WeightsError(f"{name} has shape {shape}; the model's is {tuple(param.shape)}")
+            elif not dtype.is_floating_point:
+                raise WeightsError(f"{name} has dtype {dtype}; the model's weights are floating")
+        if unexpected:
+            raise WeightsError(f"tensors the model does not have: {', '.join(unexpected[:5])}")
+
+    def missing_weights(self, given: Collection[str]) -> list[str]:
+        """The model's weights ``given`` leaves out; a tied weight is given with its twin."""
+        params = self.weights
+        storages = {params[name].data_ptr() for name in given if name in params}
+        return [n for n, p in params.items() if n not in given and p.data_ptr() not in storages]
+
+    def copy_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """One checked tensor into the model (engine thread only)."""
         with torch.no_grad():
-            for name, tensor in tensors.items():
-                params[name].copy_(tensor)
+            self.weights[name].copy_(tensor)
 
     def reset_cache(self) -> None:
         """An empty running cache (at load, after a failed decode step, when the batch empties)."""

@@ -38,6 +38,7 @@ from tokenwire.engine.hf.handoff import (
     Add,
     Command,
     Emits,
+    NewWeights,
     Pause,
     Reply,
     Request,
@@ -45,7 +46,6 @@ from tokenwire.engine.hf.handoff import (
     Resume,
     SetVersion,
     Stop,
-    SwapWeights,
     deliver,
 )
 from tokenwire.engine.hf.prefix_cache import BLOCK_TOKENS, LayerKV, PrefixCache, block_keys
@@ -84,8 +84,8 @@ class Scheduler:
         self.prefix = PrefixCache(prefix_cache_bytes)
         self.stopping = False
         self.paused = False
-        # A "wait" pause answered once the requests in flight have finished.
-        self._drain_reply: Reply | None = None
+        # "wait" pauses (every concurrent caller's) answered once the requests in flight finish.
+        self._drain_replies: list[Reply] = []
         self._drain_count = 0
         # Set by a prefill; the busy -> idle edge then frees what the peak batch held.
         self._memory_to_release = False
@@ -143,7 +143,7 @@ class Scheduler:
                 break
             if isinstance(cmd, Add):
                 emits.append((cmd.request.sink, self._output([], "abort")))
-            elif isinstance(cmd, Pause | Resume | SwapWeights | SetVersion | ResetPrefixCache):
+            elif isinstance(cmd, Pause | Resume | NewWeights | SetVersion | ResetPrefixCache):
                 cmd.reply.send(EngineError("the engine is shutting down"))
         deliver(emits)
 
@@ -174,7 +174,9 @@ class Scheduler:
             if cmd.mode == "abort":
                 self._abort_all(emits)
             elif cmd.mode == "wait" and in_flight:
-                self._drain_reply, self._drain_count = cmd.reply, in_flight
+                if not self._drain_replies:
+                    self._drain_count = in_flight
+                self._drain_replies.append(cmd.reply)
                 return
             if cmd.clear_cache:  # as vLLM's clear_cache: the prefix cache goes too
                 self._recompute_running(emits)
@@ -185,16 +187,20 @@ class Scheduler:
             self.paused = False
             self._finish_drain(force=True)
             cmd.reply.send(None)
-        elif isinstance(cmd, SwapWeights):
+        elif isinstance(cmd, NewWeights):
             try:
-                self.runner.swap_weights(cmd.tensors)
-            except Exception as exc:  # the old weights stay
+                cmd.load()
+            except Exception as exc:  # a refused checkpoint, or a broadcast that broke off
                 cmd.reply.send(exc)
                 return
-            self.weight_version = cmd.version
-            self.prefix.clear()  # KV of the old weights must not serve new requests
-            for req in self.running:
-                req.stale_kv = True
+            finally:
+                # Even a broken-off broadcast may have changed some weights: KV of the old
+                # ones must not serve new requests.
+                self.prefix.clear()
+                for req in self.running:
+                    req.stale_kv = True
+            if cmd.version is not None:
+                self.weight_version = cmd.version
             cmd.reply.send(None)
         elif isinstance(cmd, ResetPrefixCache):
             self.prefix.clear()
@@ -204,13 +210,13 @@ class Scheduler:
             cmd.reply.send(None)
 
     def _finish_drain(self, *, force: bool = False) -> None:
-        """Answer a "wait" pause once nothing is in flight (or a resume came first)."""
-        reply = self._drain_reply
-        if reply is None or not (force or not (self.running or self.waiting)):
+        """Answer the "wait" pauses once nothing is in flight (or a resume came first)."""
+        if not self._drain_replies or not (force or not (self.running or self.waiting)):
             return
-        self._drain_reply = None
+        replies, self._drain_replies = self._drain_replies, []
         self.paused = not force
-        reply.send(self._drain_count)
+        for reply in replies:
+            reply.send(self._drain_count)
 
     def _recompute_running(self, emits: Emits) -> None:
         """Drop the running rows' KV: they prefill prompt + output again on resume (with the
@@ -311,8 +317,10 @@ class Scheduler:
         if not self.prefix.enabled or req.has_images:
             return []
         if req.prompt_keys is None:
-            req.prompt_keys = block_keys(req.prompt)
-        return block_keys(req.context, req.prompt_keys) if req.recompute else req.prompt_keys
+            req.prompt_keys = block_keys(req.prompt, salt=req.salt)
+        if req.recompute:
+            return block_keys(req.context, req.prompt_keys, salt=req.salt)
+        return req.prompt_keys
 
     def _prefill_step(self, emits: Emits) -> None:
         group = self._prefilling = self._next_group()
@@ -435,5 +443,5 @@ class Scheduler:
         if req.stale_kv or not req.output or not self._context_keys(req):
             return
         tokens = [*req.prompt, *req.output[:-1]]
-        keys = block_keys(tokens, req.prompt_keys or ())
+        keys = block_keys(tokens, req.prompt_keys or (), salt=req.salt)
         self.prefix.keep(keys, len(tokens), lambda: self.runner.running_row(row))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +23,20 @@ from tokenwire.engine.base import (
     EngineStats,
     PauseMode,
     SamplingParams,
+    WeightGroup,
     WeightsError,
+    WeightUpdate,
 )
 from tokenwire.engine.vllm.config import engine_args, sampling_params
 from tokenwire.engine.vllm.outputs import OutputState
 from tokenwire.engine.vllm.weights import check_fits, checkpoint_layout
+from tokenwire.weight_transfer import TensorMeta
 
 logger = logging.getLogger(__name__)
+_NO_TRANSFER = (
+    "the vllm engine does not receive weights in memory here; load a checkpoint directory "
+    "(/update_weights {weight_dir}) or serve with --engine hf (backend gloo)"
+)
 
 
 class VLLMEngine:
@@ -115,6 +122,7 @@ class VLLMEngine:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         media: Any | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Stream a request's outputs; closing the iterator early aborts it in vLLM."""
         from vllm.exceptions import VLLMClientError
@@ -128,15 +136,16 @@ class VLLMEngine:
         if request_id in self._live:
             raise EngineError(f"request id {request_id!r} is already running")
         params = sampling_params(sampling, self.logprobs_mode)
+        tokens = TokensPrompt(prompt_token_ids=prompt)
+        if cache_salt is not None:
+            tokens["cache_salt"] = cache_salt
         state = OutputState(prompt, sampling, frozenset(self.eos_token_ids), self._version)
         self._live[request_id] = ""
         collector = None
         finished = False
         try:
             try:
-                collector = await self._llm.add_request(
-                    request_id, TokensPrompt(prompt_token_ids=prompt), params
-                )
+                collector = await self._llm.add_request(request_id, tokens, params)
             except VLLMClientError as exc:
                 raise EngineError(str(exc)) from exc
             self._live[request_id] = collector.request_id
@@ -212,6 +221,32 @@ class VLLMEngine:
     async def reset_prefix_cache(self) -> bool:
         self._require_running()
         return bool(await self._llm.reset_prefix_cache())
+
+    # -- weight transfer: not on this engine yet (see docs/api.md) ---------------------------
+    # vLLM's own transfer engines (nccl, ipc) need CUDA, and a gloo one registered with its
+    # factory would have to be registered inside vLLM's worker processes; tokenwire routes
+    # neither yet, so the pipeline refuses the routes (400) before any of these is reached.
+
+    def weight_transfer_backends(self) -> tuple[str, ...]:
+        return ()
+
+    async def join_weight_group(self, group: WeightGroup) -> None:
+        raise EngineError(_NO_TRANSFER)
+
+    async def leave_weight_group(self) -> None:
+        return None
+
+    def check_weight_update(self, tensors: Sequence[TensorMeta]) -> None:
+        raise EngineError(_NO_TRANSFER)
+
+    async def receive_weights(self, update: WeightUpdate) -> None:
+        raise EngineError(_NO_TRANSFER)
+
+    def missing_weights(self, given: Collection[str]) -> list[str]:
+        raise EngineError(_NO_TRANSFER)
+
+    async def copy_weights(self, tensors: dict[str, Any]) -> None:
+        raise EngineError(_NO_TRANSFER)
 
     def _require_running(self) -> None:
         if not self.is_ready():

@@ -1,0 +1,96 @@
+"""The hf engine's end of a trainer's weight-transfer group (see ``tokenwire.weight_transfer``).
+
+Joining runs on a worker thread (a rendezvous may wait for the trainer; generation goes on
+meanwhile); receiving runs on the engine thread between steps, copying each tensor into the
+model as it arrives, so no second copy of the model is held. A broadcast that breaks off
+leaves the group unusable: it is destroyed and ``WeightTransferError`` says why.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from tokenwire.engine.base import EngineError, WeightGroup, WeightTransferError, WeightUpdate
+from tokenwire.engine.hf.runner import ModelRunner
+from tokenwire.weight_transfer import (
+    broadcast,
+    join_group,
+    leave_group,
+    packed_chunks,
+    unpack,
+)
+
+
+class WeightReceiver:
+    """At most one group at a time; its calls come one after another (the pipeline's lock)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self._runner = runner
+        self._group: Any = None
+        self._lock = threading.Lock()  # join (worker thread) against receive (engine thread)
+
+    def backends(self) -> tuple[str, ...]:
+        """gloo moves CPU tensors; nccl only CUDA ones."""
+        return ("gloo", "nccl") if self._runner.device.type == "cuda" else ("gloo",)
+
+    def join(self, spec: WeightGroup) -> None:
+        if spec.backend not in self.backends():
+            raise EngineError(
+                f"backend {spec.backend!r} cannot move this engine's weights (on "
+                f"{self._runner.device.type}); backends that can: {', '.join(self.backends())}"
+            )
+        with self._lock:
+            if self._group is not None:
+                raise EngineError("a weight-transfer group is already open")
+            try:
+                self._group = join_group(
+                    master_address=spec.master_address,
+                    master_port=spec.master_port,
+                    rank=spec.rank,
+                    world_size=spec.world_size,
+                    backend=spec.backend,
+                    group_name=spec.group_name,
+                    timeout_s=spec.timeout_s,
+                )
+            except Exception as exc:  # refused, timed out, a rank missing
+                raise WeightTransferError(f"could not join the trainer's group: {exc}") from exc
+
+    def leave(self) -> None:
+        with self._lock:
+            group, self._group = self._group, None
+        if group is not None:
+            leave_group(group)
+
+    @property
+    def joined(self) -> bool:
+        return self._group is not None
+
+    def receive(self, update: WeightUpdate) -> None:
+        """On the engine thread: every tensor of ``update``, copied into the model."""
+        group = self._group
+        if group is None:
+            raise WeightTransferError("no weight-transfer group is open")
+        device = self._runner.device
+        try:
+            if update.packed:
+                for chunk in packed_chunks(update.tensors, update.buffer_size_bytes):
+                    size = sum(meta.nbytes for meta in chunk)
+                    buffer = torch.empty(size, dtype=torch.uint8, device=device)
+                    broadcast(buffer, group)
+                    for name, tensor in unpack(buffer, chunk):
+                        self._runner.copy_weight(name, tensor)
+            else:
+                for meta in update.tensors:
+                    weight = self._runner.weights[meta.name].detach()
+                    if weight.dtype == meta.dtype and weight.is_contiguous():
+                        broadcast(weight, group)  # straight into the model: no second copy
+                        continue
+                    tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+                    broadcast(tensor, group)
+                    self._runner.copy_weight(meta.name, tensor)
+        except Exception as exc:
+            self.leave()
+            raise WeightTransferError(f"the weight broadcast broke off: {exc}") from exc

@@ -1,0 +1,174 @@
+"""The wire side of in-memory weight transfer, shared by the server's receiver (``engine``) and
+the trainer's sender (``client``), so both ends build the same group and cut the same chunks.
+
+The group is a ``torch.distributed`` process group that the trainer (rank 0) and the servers
+join over ``tcp://master_address:master_port``: the trainer hosts the rendezvous store and each
+server sits at its ``rank_offset``. It is built the way SGLang's and OpenRLHF's trainers build
+their extra groups (``init_custom_process_group``: the store's keys under ``group_name/``), so
+an SGLang-style trainer can join it too. For each tensor of an update, in order, rank 0
+broadcasts once; ``packed`` updates broadcast vLLM's packed chunks instead (``packed_chunks``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch is imported by the calls that need it: the API layer imports this
+    import torch
+
+# vLLM's defaults (``vllm.distributed.weight_transfer.packed_tensor``).
+DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024 * 1024 * 1024
+DEFAULT_PACKED_NUM_BUFFERS = 2
+# SGLang's default ``group_name``; vLLM's routes name no group.
+DEFAULT_GROUP_NAME = "weight_update_group"
+
+
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_BACKEND = "nccl"  # vLLM's
+
+
+@dataclass(frozen=True, slots=True)
+class WeightTransferConfig:
+    """``--weight-transfer-config``: vLLM's ``{"backend": ...}``, plus tokenwire's
+    ``timeout_s``: how long joining the group, and each broadcast, may wait for the trainer."""
+
+    backend: str = DEFAULT_BACKEND
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @classmethod
+    def parse(cls, text: str) -> WeightTransferConfig:
+        """The flag's JSON; ``ValueError`` naming what is wrong."""
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise ValueError("must be a JSON object")
+        unknown = sorted(set(value) - {"backend", "timeout_s"})
+        if unknown:
+            raise ValueError(f"unknown keys {unknown}")
+        backend = value.get("backend", DEFAULT_BACKEND)
+        timeout_s = value.get("timeout_s", DEFAULT_TIMEOUT_S)
+        if not isinstance(backend, str) or not backend:
+            raise ValueError("backend must be a name")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
+            raise ValueError("timeout_s must be a positive number")
+        return cls(backend, float(timeout_s))
+
+    def as_json(self) -> dict[str, Any]:
+        """What ``/server_info`` reports (vLLM's field, then tokenwire's)."""
+        return {"backend": self.backend, "timeout_s": self.timeout_s}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """One tensor of an update as the trainer announces it: vLLM's ``names``, ``dtype_names``
+    and ``shapes`` entries, zipped."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def dtype_named(name: str) -> torch.dtype | None:
+    """``"bfloat16"`` (vLLM's ``dtype_names``) or ``"torch.bfloat16"`` (SGLang's ``dtypes``)
+    as a torch dtype; None for a name torch has no dtype of."""
+    import torch
+
+    value = getattr(torch, name.removeprefix("torch."), None)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """vLLM's spelling: ``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def packed_chunks(metas: Sequence[TensorMeta], buffer_size_bytes: int) -> list[list[TensorMeta]]:
+    """vLLM's packing: tensors join a chunk until its size passes ``buffer_size_bytes`` (the
+    tensor that passes it is the chunk's last); each chunk is one uint8 broadcast of the
+    tensors' bytes, back to back."""
+    chunks: list[list[TensorMeta]] = []
+    chunk: list[TensorMeta] = []
+    size = 0
+    for meta in metas:
+        chunk.append(meta)
+        size += meta.nbytes
+        if size > buffer_size_bytes:
+            chunks.append(chunk)
+            chunk, size = [], 0
+    if chunk:
+        chunks.append(chunk)
+    return chunks
+
+
+def unpack(buffer: torch.Tensor, chunk: Sequence[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of one received packed chunk (views of ``buffer``)."""
+    parts = buffer.split([meta.nbytes for meta in chunk])
+    return [
+        (meta.name, part.view(meta.dtype).view(meta.shape))
+        for meta, part in zip(chunk, parts, strict=True)
+    ]
+
+
+def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One chunk's bytes, as the trainer broadcasts them."""
+    import torch
+
+    return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors])
+
+
+def join_group(
+    *,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    backend: str,
+    group_name: str,
+    timeout_s: float,
+) -> Any:
+    """Join (rank 0: host) the weight-transfer group; blocks until every rank has joined or
+    ``timeout_s`` passed. Each collective of the group fails after ``timeout_s`` too, so a
+    trainer that stalls mid-broadcast cannot hold a receiver forever."""
+    # torch builds its own process groups this way; there is no public call that makes a
+    # second, independent group with its own store (the default group is the trainer's).
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    timeout = timedelta(seconds=timeout_s)
+    url = f"tcp://{master_address}:{master_port}"
+    store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout
+    )
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def leave_group(group: Any) -> None:
+    """Destroy a group made by ``join_group`` (its name can then be used again)."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group(group)
+
+
+def broadcast(tensor: torch.Tensor, group: Any) -> None:
+    """One broadcast from the trainer (rank 0) over ``group``."""
+    import torch.distributed as dist
+
+    dist.broadcast(tensor, src=0, group=group)

@@ -1,0 +1,115 @@
+"""Weight transfer without a model: vLLM's packed layout, the flag, and the bodies refused
+before any engine work (over the fake engine). The transfer itself is in test_weight_transfer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import assert_error
+from tests.fast_app import FastApp
+from tokenwire.weight_transfer import (
+    TensorMeta,
+    WeightTransferConfig,
+    dtype_named,
+    pack,
+    packed_chunks,
+    unpack,
+)
+
+
+def test_packed_chunks_follow_vllms_layout() -> None:
+    """A tensor joins the chunk whose size it takes past the buffer (it is that chunk's last),
+    as vLLM's ``packed_nccl_broadcast_consumer`` cuts them; pack and unpack round-trip."""
+    tensors = [torch.arange(n, dtype=torch.float32) for n in (4, 4, 4, 1, 8)]
+    metas = [TensorMeta(f"t{i}", t.dtype, tuple(t.shape)) for i, t in enumerate(tensors)]
+    chunks = packed_chunks(metas, buffer_size_bytes=20)  # 16, 16, 16, 4, 32 bytes
+    assert [[m.name for m in chunk] for chunk in chunks] == [["t0", "t1"], ["t2", "t3", "t4"]]
+    by_name = dict(zip((m.name for m in metas), tensors, strict=True))
+    for chunk in chunks:
+        buffer = pack([by_name[m.name] for m in chunk])
+        for name, tensor in unpack(buffer, chunk):
+            assert torch.equal(tensor, by_name[name])
+
+
+def test_dtype_names_of_both_dialects() -> None:
+    assert dtype_named("bfloat16") is torch.bfloat16  # vLLM's dtype_names
+    assert dtype_named("torch.float32") is torch.float32  # SGLang's dtypes
+    assert dtype_named("Tensor") is None and dtype_named("float128") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("gloo", "not JSON"),
+        ("[]", "JSON object"),
+        ('{"backend": "gloo", "buffer": 1}', "unknown keys"),
+        ('{"backend": ""}', "backend"),
+        ('{"timeout_s": 0}', "timeout_s"),
+        ('{"timeout_s": true}', "timeout_s"),
+    ],
+)
+def test_weight_transfer_config_refusals(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        WeightTransferConfig.parse(text)
+
+
+def test_server_info_reports_the_config(fast_rl: FastApp) -> None:
+    info = fast_rl.client.get("/server_info", params={"config_format": "json"}).json()
+    assert info["vllm_config"]["weight_transfer_config"] == {"backend": "gloo", "timeout_s": 20.0}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        (
+            "/init_weight_transfer_engine",
+            {"init_info": {"master_address": "h", "master_port": 1, "world_size": 2}},
+            "rank_offset",
+        ),
+        (
+            "/init_weight_transfer_engine",
+            {"init_info": {"master_port": 1, "rank_offset": 2, "world_size": 2}},
+            "outside a group",
+        ),
+        (
+            "/init_weight_transfer_engine",
+            {"init_info": {"master_port": 70000, "rank_offset": 1, "world_size": 2}},
+            "master_port",
+        ),
+        (
+            "/update_weights",
+            {"update_info": {"names": ["a"], "dtype_names": [], "shapes": [[1]]}},
+            "`dtype_names` should be of the same size",
+        ),
+        (
+            "/update_weights",
+            {"update_info": {"names": ["a"], "dtype_names": ["float32"], "shapes": [[-1]]}},
+            "shapes",
+        ),
+        ("/update_weights", {"update_info": []}, "names no receiving rank"),
+        ("/finish_weight_update", {}, "without a matching start_weight_update"),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": ["eA=="]}, "pickles"),
+        (
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": ["%%"], "load_format": "safetensors"},
+            "not base64 of a safetensors file",
+        ),
+        ("/update_weights_from_distributed", {"group_name": "g"}, "names, dtypes and shapes"),
+        (
+            "/update_weights_from_distributed",
+            {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g"},
+            "no weight-transfer group named 'g'",
+        ),
+        (
+            "/update_weights_from_distributed",
+            {"name": "a", "dtype": "complex", "shape": [1]},
+            "is not a torch dtype",
+        ),
+        ("/destroy_weights_update_group", {"group_name": "g"}, "no weight-transfer group"),
+    ],
+)
+def test_bad_bodies_are_400s_before_any_transfer(
+    fast_rl: FastApp, path: str, body: dict, message: str
+) -> None:
+    assert_error(fast_rl.client.post(path, json=body), 400, message)
