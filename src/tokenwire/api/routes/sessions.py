@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 from starlette.responses import Response
 
+from tokenwire.api.control_key import CONTROL
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import pipeline_of
 from tokenwire.pipeline.errors import UnknownSession
@@ -57,7 +58,10 @@ async def get_session(session_id: str, request: Request) -> Response:
     return OrjsonResponse(await trajectory(pipeline_of(request).session_store(), session_id))
 
 
-@router.delete("/v1/sessions/{session_id}", response_model=Deleted, responses=_NOT_FOUND)
+# Deleting a trajectory loses training data: the control key only (``api.control_key``).
+@router.delete(
+    "/v1/sessions/{session_id}", response_model=Deleted, responses=_NOT_FOUND, tags=[CONTROL]
+)
 async def delete_session(session_id: str, request: Request) -> Response:
     if not await pipeline_of(request).session_store().delete(session_id):
         raise UnknownSession(f"session {session_id!r} does not exist", "session_id")
