@@ -181,6 +181,17 @@ class Settings:
         choices=["auto", "float32", "bfloat16", "float16"],
         help="weights and activations (auto: the model's; vLLM's auto is bfloat16 on CPU)",
     )
+    session_store: str | None = flag(
+        None,
+        help="SQLite file of the recorded sessions (default: sessions.sqlite3 in the cache "
+        "directory; :memory: keeps them in memory only)",
+    )
+    session_store_bytes: int = flag(
+        2**30, type=int, help="sessions kept in all; the least recently used go first"
+    )
+    session_ttl_s: float = flag(
+        7 * 24 * 3600.0, type=float, help="a session unused this long is dropped"
+    )
     # vLLM engine flags tokenwire does not know, passed through as given (``--engine vllm``).
     engine_args: tuple[str, ...] = ()
 
@@ -190,6 +201,10 @@ class Settings:
         if self.served_model_name:
             return self.served_model_name
         return (self.model,)
+
+    @property
+    def session_store_path(self) -> str:
+        return self.session_store or str(asset_cache_dir() / "sessions.sqlite3")
 
     def media_policy(self) -> MediaPolicy:
         """The ``--*media*`` flags as the media connector's policy, resolved once at start-up."""

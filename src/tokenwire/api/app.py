@@ -21,6 +21,7 @@ from tokenwire.api.errors import install_error_handlers
 from tokenwire.api.metrics import Metrics
 from tokenwire.api.openapi import install_openapi
 from tokenwire.api.routes import (
+    anthropic,
     control,
     derender,
     extend,
@@ -28,6 +29,8 @@ from tokenwire.api.routes import (
     info,
     openai,
     render,
+    responses_api,
+    sessions,
     sglang,
     tokenize,
 )
@@ -37,6 +40,7 @@ from tokenwire.media.prompt import IMAGE_PAD
 from tokenwire.media.service import MediaService
 from tokenwire.model_source import resolve_model_dir
 from tokenwire.pipeline.context import ModelRuntime, Pipeline, ServingConfig
+from tokenwire.pipeline.session_store import SessionStore
 from tokenwire.settings import Settings
 from tokenwire.text.chat_template import (
     ChatTemplate,
@@ -56,7 +60,12 @@ GC_THRESHOLDS = (500_000, 20, 20)
 def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     """The app for ``settings``; ``engine`` (unstarted) replaces the one ``--engine`` names, so
     tests can run everything above the engine on a scripted one."""
-    pipeline = Pipeline(config=ServingConfig.from_settings(settings))
+    session_store = SessionStore(
+        settings.session_store_path,
+        max_bytes=settings.session_store_bytes,
+        ttl_s=settings.session_ttl_s,
+    )
+    pipeline = Pipeline(config=ServingConfig.from_settings(settings), sessions=session_store)
     metrics = Metrics()
 
     @contextlib.asynccontextmanager
@@ -74,6 +83,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                 await pipeline.runtime.media.aclose()
                 if pipeline.runtime.request_templates is not None:
                     await pipeline.runtime.request_templates.aclose()
+            session_store.close()
 
     app = FastAPI(
         title="tokenwire",
@@ -93,6 +103,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         generate.router,
         derender.router,
         openai.router,
+        anthropic.router,
+        responses_api.router,
+        sessions.router,
         sglang.router,
     ]
     if settings.enable_rl_control:

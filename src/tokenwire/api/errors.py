@@ -21,6 +21,7 @@ from tokenwire.pipeline.errors import (
     NotReady,
     PipelineError,
     UnknownModel,
+    UnknownSession,
 )
 
 ERROR_TYPES: dict[int, str] = {
@@ -54,6 +55,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 PIPELINE_STATUS: dict[type[PipelineError], int] = {
     InvalidRequest: 400,
     UnknownModel: 404,
+    UnknownSession: 404,
     ClientGone: 499,
     NotReady: 503,
 }

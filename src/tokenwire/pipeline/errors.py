@@ -23,6 +23,10 @@ class UnknownModel(PipelineError):
         super().__init__(f"The model `{name}` does not exist.", "model")
 
 
+class UnknownSession(PipelineError):
+    """No session has this id, or it expired (HTTP 404)."""
+
+
 class NotReady(PipelineError):
     """The model is loading or the server is shutting down (HTTP 503)."""
 
