@@ -52,6 +52,8 @@ bench: install
 	$(PY) bench/bench_pipeline_http.py
 	$(PY) bench/bench_gc.py
 	$(PY) bench/bench_generate.py
+	$(PY) bench/bench_prefill_flood.py
+	$(PY) bench/bench_engines.py
 	$(PY) bench/bench_rl_shapes.py
 	$(PY) bench/bench_weight_transfer.py
 	$(PY) bench/bench_media.py
@@ -86,5 +88,6 @@ install-vllm: $(VLLM_STAMP)
 test-vllm: install-vllm
 	$(VLLM_ENV) $(VPY) -m pytest --engine vllm $(VLLM_TESTS)
 
-bench-vllm: install-vllm
+bench-vllm: install install-vllm
 	$(VLLM_ENV) $(VPY) bench/bench_vs_vllm.py
+	$(PY) bench/bench_engines.py --vllm-python $(VPY)

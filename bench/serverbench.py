@@ -31,10 +31,15 @@ def cpu_seconds(pid: int) -> float:
 
 class ServerProcess:
     def __init__(
-        self, command: list[str], port: int, health_path: str = "/health", log: Path | None = None
+        self,
+        command: list[str],
+        port: int,
+        health_path: str = "/health",
+        log: Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
         output = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 - the child's
         self.process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 600

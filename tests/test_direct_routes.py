@@ -54,7 +54,7 @@ SETTINGS = Settings(
 )
 JSON = "application/json"
 # Values two servers answering the same request cannot share: clocks and generated ids.
-VOLATILE_KEYS = frozenset({"created", "e2e_latency"})
+VOLATILE_KEYS = frozenset({"created", "created_at", "e2e_latency"})
 UUID_HEX = re.compile(r"[0-9a-f]{32}")
 Route = tuple[str, str]
 
@@ -112,6 +112,18 @@ VALID: dict[Route, list[Any]] = {
         {"prompt": "Hello", **GREEDY, "logprobs": 2},
         {"prompt": "Hello", **GREEDY, "stream": True},
     ],
+    ("POST", "/v1/messages"): [
+        {"messages": [USER], **GREEDY, "system": "Be brief."},
+        {"messages": [USER], **GREEDY, "stream": True},
+    ],
+    ("POST", "/v1/messages/count_tokens"): [{"messages": [USER]}],
+    ("POST", "/v1/messages/render"): [{"messages": [USER], **GREEDY}],
+    ("POST", "/v1/responses"): [
+        {"input": "Hi", "max_output_tokens": 3, "temperature": 0},
+        {"input": [USER], "max_output_tokens": 3, "temperature": 0, "stream": True},
+    ],
+    ("POST", "/v1/responses/render"): [{"input": "Hi", "instructions": "Be brief."}],
+    ("GET", "/v1/sessions"): [None],
     ("POST", "/generate"): [
         {"input_ids": IDS, "sampling_params": {"max_new_tokens": 3, "temperature": 0}},
         {"text": "Hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0}},
@@ -182,6 +194,11 @@ SCHEMA_FAILURES: dict[Route, list[Any]] = {
     ],
     ("POST", "/v1/chat/completions"): [{"messages": [USER], "max_tokens": 0}],
     ("POST", "/v1/completions"): [{"prompt": "x", "logprobs": -5}],
+    ("POST", "/v1/messages"): [{"messages": [USER]}, {"messages": [{"role": "user"}]}],
+    ("POST", "/v1/messages/count_tokens"): [{"messages": []}],
+    ("POST", "/v1/messages/render"): [{"messages": [USER], "max_tokens": 0}],
+    ("POST", "/v1/responses"): [{"input": [{"type": "nope"}]}, {"input": 1}],
+    ("POST", "/v1/responses/render"): [{"input": "x", "max_output_tokens": 0}],
     ("POST", "/generate"): [{"sampling_params": {}}, {"text": "x", "input_ids": IDS}],
     ("POST", "/abort_requests"): [{"request_ids": "x"}],
     ("POST", "/inference/v1/abort_requests"): [{}],
@@ -322,6 +339,9 @@ def normalized(response: httpx.Response) -> Any:
     if content.startswith(b"data: "):  # server-sent events
         events = content.split(b"\n\n")
         return [event_value(event.removeprefix(b"data: ")) for event in events]
+    if content.startswith(b"event: "):  # named events (Anthropic's, OpenAI Responses')
+        events = [event.partition(b"\ndata: ") for event in content.split(b"\n\n")]
+        return [(name, event_value(data)) for name, _, data in events]
     return without_volatile(orjson.loads(content))
 
 

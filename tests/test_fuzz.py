@@ -24,6 +24,11 @@ POST_ROUTES = [
     "/v1/completions/derender",
     "/v1/chat/completions",
     "/v1/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/messages/render",
+    "/v1/responses",
+    "/v1/responses/render",
 ]
 
 JSON = st.recursive(
@@ -67,6 +72,12 @@ KNOWN_KEYS = st.sampled_from(
         "generate_chunk",
         "role",
         "content",
+        "system",
+        "tool_choice",
+        "thinking",
+        "input",
+        "instructions",
+        "type",
     ]
 )
 SMALL_INTS = st.integers(-3, 151700)
@@ -74,7 +85,8 @@ BODIES = st.one_of(
     JSON,
     st.dictionaries(KNOWN_KEYS, JSON | SMALL_INTS | st.lists(SMALL_INTS, max_size=6), max_size=5),
 )
-CAPS = {"max_tokens": 4}  # a valid-looking generate must still finish quickly
+# A valid-looking generate must still finish quickly.
+CAPS = {"max_tokens": 4, "max_output_tokens": 4}
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
@@ -86,6 +98,8 @@ def test_no_5xx_for_any_body(qwen3: httpx.Client, route: str, body: object) -> N
                 body[key] = value
         if isinstance(body.get("sampling_params"), dict):
             body["sampling_params"]["max_tokens"] = 4
+        if route == "/v1/responses":  # {"input": "x"} alone is valid: up to the context
+            body.setdefault("max_output_tokens", 4)
     response = qwen3.post(route, json=body)
     assert response.status_code < 500, (route, body, response.text)
     if response.status_code >= 400:

@@ -72,6 +72,11 @@ def test_validation_errors_are_400_not_422(document: dict) -> None:
     assert "HTTPValidationError" not in schemas
     media_routes = {"/tokenize", "/v1/chat/completions/render", "/v1/chat/completions"}
     media_routes.add("/inference/v1/generate")
+    # The Anthropic and Responses dialects take images as the chat route does.
+    media_routes.update(
+        {"/v1/messages", "/v1/messages/count_tokens", "/v1/messages/render"},
+    )
+    media_routes.update({"/v1/responses", "/v1/responses/render"})
     for path, method, operation in operations(document):
         # 422 only where a media URL's host may answer 4xx; never for validation.
         assert ("422" in operation["responses"]) == (path in media_routes), (method, path)

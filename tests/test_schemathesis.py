@@ -57,6 +57,14 @@ OPERATIONS = [
     ("GET", "/model_info"),
     ("GET", "/get_load"),
     ("GET", "/load"),
+    ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/v1/messages/render"),
+    ("POST", "/v1/responses"),
+    ("POST", "/v1/responses/render"),
+    ("GET", "/v1/sessions"),
+    ("GET", "/v1/sessions/{session_id}"),
+    ("DELETE", "/v1/sessions/{session_id}"),
 ]
 # Negative cases need an input to break: only the POST routes take one.
 CASES = [(method, path, GenerationMode.POSITIVE) for method, path in OPERATIONS] + [
@@ -74,6 +82,7 @@ CAPS = {
     "top_logprobs": 3,
     "prompt_logprobs": 3,
     "top_logprobs_num": 3,
+    "max_output_tokens": 3,
 }
 # Where each generating route takes its output length: (the object holding it, its name).
 LENGTH_FIELD = {
@@ -81,6 +90,7 @@ LENGTH_FIELD = {
     "/generate": ("sampling_params", "max_new_tokens"),
     "/v1/chat/completions": (None, "max_tokens"),
     "/v1/completions": (None, "max_tokens"),
+    "/v1/responses": (None, "max_output_tokens"),
 }
 
 # Requests that succeed, so that every 200 form (JSON and each SSE stream) is checked against
@@ -127,6 +137,17 @@ GOOD_BODIES: dict[str, list[dict[str, Any]]] = {
         {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}, "stream": True},
     ],
     "/abort_request": [{"rid": "r1"}],
+    "/v1/messages": [
+        {"messages": CHAT, "max_tokens": 2, "system": "Be brief."},
+        {"messages": CHAT, "max_tokens": 2, "stream": True},
+    ],
+    "/v1/messages/count_tokens": [{"messages": CHAT}],
+    "/v1/messages/render": [{"messages": CHAT, "max_tokens": 2}],
+    "/v1/responses": [
+        {"input": "Hi", "max_output_tokens": 2, "instructions": "Be brief."},
+        {"input": CHAT, "max_output_tokens": 2, "stream": True},
+    ],
+    "/v1/responses/render": [{"input": "Hi"}],
 }
 
 

@@ -13,7 +13,7 @@ from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tokenwire.engine.defaults import DEFAULT_PREFIX_CACHE_BYTES
+from tokenwire.engine.defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_PREFIX_CACHE_BYTES
 from tokenwire.engine.factory import ENGINE_KINDS, EngineKind
 from tokenwire.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
 from tokenwire.weight_transfer import WeightTransferConfig
@@ -117,6 +117,13 @@ class Settings:
         type=int,
         help="KV the hf engine keeps to reuse repeated prompt prefixes (0: off)",
     )
+    max_num_batched_tokens: int | None = flag(
+        None,
+        type=int,
+        help=f"prompt tokens one prefill forward may hold; longer prompts prefill in chunks "
+        f"that take turns with decode steps (hf: default {DEFAULT_MAX_NUM_BATCHED_TOKENS}; "
+        f"vllm: vLLM's default)",
+    )
     reasoning_parser: str | None = flag(None, choices=REASONING_PARSER_NAMES)
     tool_call_parser: str | None = flag(None, choices=TOOL_PARSER_NAMES)
     enable_auto_tool_choice: bool = flag(False, switch=True)
@@ -134,6 +141,11 @@ class Settings:
         help="pixels one request may make the server decode (read from image headers first)",
     )
     device: str | None = flag(None, help="cpu or cuda (default: cuda if present)")
+    engine_threads: int | None = flag(
+        None,
+        type=int,
+        help="torch threads of the hf engine (default: the usable cores but one, at least 1)",
+    )
     enable_rl_control: bool = flag(
         False, switch=True, help="serve pause/resume, weight reload and weight version routes"
     )
@@ -183,6 +195,17 @@ class Settings:
         choices=["auto", "float32", "bfloat16", "float16"],
         help="weights and activations (auto: the model's; vLLM's auto is bfloat16 on CPU)",
     )
+    session_store: str | None = flag(
+        None,
+        help="SQLite file of the recorded sessions (default: sessions.sqlite3 in the cache "
+        "directory; :memory: keeps them in memory only)",
+    )
+    session_store_bytes: int = flag(
+        2**30, type=int, help="sessions kept in all; the least recently used go first"
+    )
+    session_ttl_s: float = flag(
+        7 * 24 * 3600.0, type=float, help="a session unused this long is dropped"
+    )
     # vLLM engine flags tokenwire does not know, passed through as given (``--engine vllm``).
     engine_args: tuple[str, ...] = ()
 
@@ -192,6 +215,10 @@ class Settings:
         if self.served_model_name:
             return self.served_model_name
         return (self.model,)
+
+    @property
+    def session_store_path(self) -> str:
+        return self.session_store or str(asset_cache_dir() / "sessions.sqlite3")
 
     def media_policy(self) -> MediaPolicy:
         """The ``--*media*`` flags as the media connector's policy, resolved once at start-up."""
@@ -288,6 +315,10 @@ def settings_from_args(args: argparse.Namespace, engine_args: Sequence[str] = ()
     for module in values.get("lora_modules") or ():
         if "=" not in module:
             raise ValueError(f"--lora-modules takes name=path, got {module!r}")
+    if values.get("max_num_batched_tokens") is not None and values["max_num_batched_tokens"] < 1:
+        raise ValueError("--max-num-batched-tokens must be >= 1")
+    if values.get("engine_threads") is not None and values["engine_threads"] < 1:
+        raise ValueError("--engine-threads must be >= 1")
     if values.get("max_held_requests", 0) < 0:
         raise ValueError("--max-held-requests must be >= 0")
     return Settings(**values, engine_args=tuple(engine_args))

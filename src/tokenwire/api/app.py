@@ -23,6 +23,7 @@ from tokenwire.api.errors import install_error_handlers
 from tokenwire.api.metrics import Metrics
 from tokenwire.api.openapi import install_openapi
 from tokenwire.api.routes import (
+    anthropic,
     control,
     derender,
     extend,
@@ -31,6 +32,8 @@ from tokenwire.api.routes import (
     lora,
     openai,
     render,
+    responses_api,
+    sessions,
     sglang,
     tokenize,
 )
@@ -41,6 +44,7 @@ from tokenwire.media.service import MediaService
 from tokenwire.model_source import resolve_model_dir
 from tokenwire.pipeline.context import Adapters, ModelRuntime, Pipeline, ServingConfig
 from tokenwire.pipeline.lora import load_adapter
+from tokenwire.pipeline.session_store import SessionStore
 from tokenwire.settings import Settings
 from tokenwire.text.chat_template import (
     ChatTemplate,
@@ -61,7 +65,14 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     """The app for ``settings``; ``engine`` (unstarted) replaces the one ``--engine`` names, so
     tests can run everything above the engine on a scripted one."""
     adapters = Adapters(tuple(Path(os.path.realpath(p)) for p in settings.allowed_lora_paths))
-    pipeline = Pipeline(config=ServingConfig.from_settings(settings), adapters=adapters)
+    session_store = SessionStore(
+        settings.session_store_path,
+        max_bytes=settings.session_store_bytes,
+        ttl_s=settings.session_ttl_s,
+    )
+    pipeline = Pipeline(
+        config=ServingConfig.from_settings(settings), adapters=adapters, sessions=session_store
+    )
     metrics = Metrics()
 
     @contextlib.asynccontextmanager
@@ -79,6 +90,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                 await pipeline.runtime.media.aclose()
                 if pipeline.runtime.request_templates is not None:
                     await pipeline.runtime.request_templates.aclose()
+            session_store.close()
 
     app = FastAPI(
         title="tokenwire",
@@ -98,6 +110,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         generate.router,
         derender.router,
         openai.router,
+        anthropic.router,
+        responses_api.router,
+        sessions.router,
         sglang.router,
     ]
     if settings.enable_rl_control:
@@ -161,6 +176,8 @@ async def _load_runtime(
                 max_logprobs=settings.max_logprobs,
                 max_loras=settings.max_loras if settings.enable_lora else 0,
                 max_lora_rank=settings.max_lora_rank,
+                max_num_batched_tokens=settings.max_num_batched_tokens,
+                engine_threads=settings.engine_threads,
                 allow_nonfinite_weights=settings.allow_nonfinite_weights,
             )
         await engine.start()

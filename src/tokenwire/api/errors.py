@@ -22,6 +22,7 @@ from tokenwire.pipeline.errors import (
     NotReady,
     PipelineError,
     UnknownModel,
+    UnknownSession,
 )
 
 ERROR_TYPES: dict[int, str] = {
@@ -56,6 +57,7 @@ PIPELINE_STATUS: dict[type[PipelineError], int] = {
     InvalidRequest: 400,
     UnknownModel: 404,
     NotFound: 404,
+    UnknownSession: 404,
     ClientGone: 499,
     NotReady: 503,
 }

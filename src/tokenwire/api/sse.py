@@ -16,8 +16,14 @@ from tokenwire.api.responses import SSE_DONE, sse_event
 logger = logging.getLogger("tokenwire.api")
 
 
-async def sse_frames(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+async def sse_frames(
+    chunks: AsyncIterator[dict[str, Any]], *, named: bool = False
+) -> AsyncIterator[bytes]:
     """``data: {json}`` per chunk, an error event if the stream fails, always ``[DONE]``.
+
+    ``named``: the form of Anthropic's and OpenAI Responses' streams, whose chunks carry their
+    event's ``type``: ``event: TYPE`` before each ``data:``, an error as ``event: error`` with
+    ``{"type": "error", "error": {...}}``, and no ``[DONE]``.
 
     Closing it closes ``chunks`` (and so the job's engine requests), as ``SSEResponse`` does
     when the client goes away between two chunks.
@@ -25,12 +31,18 @@ async def sse_frames(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[byt
     try:
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
-                yield sse_event(chunk)
+                if named:
+                    yield b"event: " + chunk["type"].encode() + b"\n" + sse_event(chunk)
+                else:
+                    yield sse_event(chunk)
     except Exception as exc:
         expected = expected_error(exc)
         if expected is None:
             logger.exception("stream failed", exc_info=exc)
             expected = (500, "Internal error while generating", None)
+        if named:
+            yield b"event: error\n" + sse_event({"type": "error", **error_body(*expected)})
+            return
         yield sse_event(error_body(*expected))
     yield SSE_DONE
 
@@ -50,6 +62,11 @@ class SSEResponse(StreamingResponse):
 
 
 def sse_response(
-    chunks: AsyncIterator[dict[str, Any]], headers: dict[str, str] | None = None
+    chunks: AsyncIterator[dict[str, Any]],
+    headers: dict[str, str] | None = None,
+    *,
+    named: bool = False,
 ) -> StreamingResponse:
-    return SSEResponse(sse_frames(chunks), media_type="text/event-stream", headers=headers)
+    return SSEResponse(
+        sse_frames(chunks, named=named), media_type="text/event-stream", headers=headers
+    )

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from tokenwire.engine.base import Engine
-from tokenwire.engine.defaults import DEFAULT_PREFIX_CACHE_BYTES
+from tokenwire.engine.defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_PREFIX_CACHE_BYTES
 
 EngineKind = Literal["hf", "vllm"]
 ENGINE_KINDS: tuple[EngineKind, ...] = ("hf", "vllm")
@@ -26,6 +26,8 @@ def create_engine(
     max_logprobs: int = 20,
     max_loras: int = 0,
     max_lora_rank: int = 16,
+    max_num_batched_tokens: int | None = None,
+    engine_threads: int | None = None,
     allow_nonfinite_weights: bool = False,
 ) -> Engine:
     """An unstarted engine of ``kind``; ``extra_args`` are vLLM engine flags (vllm only).
@@ -36,7 +38,11 @@ def create_engine(
     engine serves any count the pipeline admits). ``allow_nonfinite_weights`` lets the hf
     engine load a checkpoint holding NaN or infinity (vLLM's loader reads its own).
     ``max_loras`` > 0 serves LoRA adapters (vLLM's ``--max-loras``; 0: LoRA off).
+    ``max_num_batched_tokens`` is ``--max-num-batched-tokens`` (None: the engine's default);
+    ``engine_threads`` the hf engine's torch threads (None: ``default_engine_threads()``).
     """
+    if engine_threads is not None and kind != "hf":
+        raise ValueError("--engine-threads is the hf engine's (vLLM: VLLM_CPU_OMP_THREADS_BIND)")
     if kind == "vllm":
         from tokenwire.engine.vllm import VLLMEngine
 
@@ -49,6 +55,7 @@ def create_engine(
             max_logprobs=max_logprobs,
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
+            max_num_batched_tokens=max_num_batched_tokens,
         )
     if extra_args:
         raise ValueError(f"engine arguments {list(extra_args)} need --engine vllm")
@@ -63,5 +70,7 @@ def create_engine(
         prefix_cache_bytes=prefix_cache_bytes,
         max_loras=max_loras,
         max_lora_rank=max_lora_rank,
+        max_num_batched_tokens=max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        threads=engine_threads,
         allow_nonfinite_weights=allow_nonfinite_weights,
     )

@@ -15,6 +15,7 @@ from tokenwire.media.service import MediaService
 from tokenwire.parsers import ReasoningParser, ToolParser, get_reasoning_parser, get_tool_parser
 from tokenwire.pipeline.errors import NotReady, UnknownModel
 from tokenwire.pipeline.jobs import JobRegistry
+from tokenwire.pipeline.session_store import SessionStore
 from tokenwire.settings import Settings
 from tokenwire.text.chat_template import ChatTemplate, RequestTemplateWorkers
 from tokenwire.text.token_text import TokenTextDecoder
@@ -169,6 +170,12 @@ class Pipeline:
     jobs: JobRegistry = field(default_factory=JobRegistry)
     control: ControlState = field(default_factory=ControlState)
     adapters: Adapters = field(default_factory=Adapters)
+    # The recorded sessions (X-Session-ID); the app opens it at start.
+    sessions: SessionStore | None = None
+
+    def session_store(self) -> SessionStore:
+        assert self.sessions is not None, "the app opens the session store at start"
+        return self.sessions
 
     def shut_down(self) -> None:
         """Refuse every request not yet in the engine (503), from now on and those that wait

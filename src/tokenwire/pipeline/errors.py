@@ -27,6 +27,10 @@ class NotFound(PipelineError):
     """The request names something (not a model) this server does not have (HTTP 404)."""
 
 
+class UnknownSession(PipelineError):
+    """No session has this id, or it expired (HTTP 404)."""
+
+
 class NotReady(PipelineError):
     """The model is loading or the server is shutting down (HTTP 503)."""
 

@@ -77,16 +77,21 @@ async def extend_chat(pipeline: Pipeline, body: ExtendRequest) -> dict[str, Any]
     if chat_media_refs([*body.previous_messages, *body.messages]):
         raise InvalidRequest(NO_MEDIA, "messages")
     check_token_ids(runtime, body.previous_token_ids, "previous_token_ids")
-    renders = await _renders(pipeline, runtime, body)
-    # Its work is comparing and encoding the renders (tools included), not only the messages.
-    size = len(renders.full)
-    result = await run_text_work(size, lambda: extend_ids(pipeline, runtime, body, renders))
+    result = await extension(pipeline, runtime, body)
     prompt = chat_request_prompt(
         pipeline, runtime, body, result.token_ids, param="previous_token_ids"
     )
     response = generate_request_json(pipeline, chat_request_id(body), prompt, body)
     response.update(extended=result.extended, reason=result.reason, kept_tokens=result.kept_tokens)
     return response
+
+
+async def extension(pipeline: Pipeline, runtime: ModelRuntime, body: ExtendRequest) -> Extension:
+    """The next prompt's ids for ``body``, whose previous ids are checked."""
+    renders = await _renders(pipeline, runtime, body)
+    # Its work is comparing and encoding the renders (tools included), not only the messages.
+    size = len(renders.full)
+    return await run_text_work(size, lambda: extend_ids(pipeline, runtime, body, renders))
 
 
 def extend_ids(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenwire.engine.base import TokenLogprob
+from tokenwire.parsers.types import AssistantMessage, ToolCall
 from tokenwire.pipeline.choice import Choice
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.decoder import PLAIN, ChoiceDecoder, ChoiceStep, Parsing
@@ -34,6 +35,7 @@ from tokenwire.pipeline.render import (
     completion_request_id,
 )
 from tokenwire.pipeline.response_json import completion_json, usage_json
+from tokenwire.pipeline.sessions import SessionTurn, session_prompt
 from tokenwire.pipeline.stream_derender import chat_chunk_choice
 from tokenwire.protocol.generate import StreamOptions
 from tokenwire.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -74,8 +76,10 @@ class CompletionRun:
         kind: str,
         answer: AnswerOptions,
         stream_options: StreamOptions | None,
+        session: SessionTurn | None = None,
     ) -> None:
         self.pipeline = pipeline
+        self.session = session  # records the turn once it ran to its end
         self.runtime = runtime
         self.job = job
         self.kind = kind
@@ -141,6 +145,8 @@ class CompletionRun:
         )
         if self.is_chat:
             result.update(self._chat_prompt_fields())
+        if self.session is not None:
+            await self.session.record(choices[0], result["choices"][0]["message"])
         return result
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
@@ -153,6 +159,7 @@ class CompletionRun:
             "model": self.pipeline.config.served_name,
         }
         started: set[int] = set()
+        reply = _StreamedReply()
         try:
             async with contextlib.aclosing(job.deltas()) as deltas:
                 async for delta in deltas:
@@ -169,6 +176,7 @@ class CompletionRun:
                         final=False,
                     )
                     if self.is_chat:
+                        reply.add(step)
                         chunk_choice = chat_chunk_choice(delta.index, step)
                         if self.answer.return_token_ids:
                             chunk_choice["token_ids"] = delta.token_ids
@@ -182,6 +190,8 @@ class CompletionRun:
                     yield chunk
         finally:
             self.pipeline.jobs.remove(job)
+        if self.session is not None:
+            await self.session.record(job.choices[0], reply.message())
         options = self.stream_options
         if options is not None and options.include_usage:
             usage = usage_json(job.prompt_tokens, job.completion_tokens, job.cached_tokens)
@@ -284,15 +294,53 @@ class CompletionRun:
         return Echo(text, logprobs)
 
 
+class _StreamedReply:
+    """A streamed chat choice's message, gathered from its steps (what a session records)."""
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.tool_calls: list[ToolCall] = []
+
+    def add(self, step: ChoiceStep) -> None:
+        delta = step.message
+        if delta.content is not None:
+            self.content.append(delta.content)
+        if delta.reasoning_content is not None:
+            self.reasoning.append(delta.reasoning_content)
+        self.tool_calls.extend(item.call for item in delta.tool_calls)
+
+    def message(self) -> dict[str, Any]:
+        return AssistantMessage(
+            content="".join(self.content) or None,
+            reasoning_content="".join(self.reasoning) or None,
+            tool_calls=self.tool_calls,
+        ).to_json()
+
+
 @dataclass(frozen=True, slots=True)
 class Echo:
     text: str
     logprobs: dict[str, Any] | None
 
 
-async def start_chat_completion(pipeline: Pipeline, body: ChatCompletionRequest) -> CompletionRun:
+async def start_chat_completion(
+    pipeline: Pipeline,
+    body: ChatCompletionRequest,
+    *,
+    session_id: str | None = None,
+    dialect: str = "chat",
+) -> CompletionRun:
+    """The chat request's run; with a ``session_id`` its prompt continues that session (see
+    ``pipeline.sessions``) and the run records its turn there."""
     runtime = pipeline.ready(body.model)
-    prompt = await chat_prompt(pipeline, runtime, body)
+    session: SessionTurn | None = None
+    if session_id is None:
+        prompt = await chat_prompt(pipeline, runtime, body)
+    else:
+        prompt, session = await session_prompt(
+            pipeline, runtime, body, pipeline.session_store(), session_id, dialect
+        )
     parsing: Parsing = await chat_parsing(pipeline, runtime, body, prompt.prompt.token_ids)
     job = start_job(
         pipeline,
@@ -309,6 +357,7 @@ async def start_chat_completion(pipeline: Pipeline, body: ChatCompletionRequest)
         kind="chat.completion",
         answer=AnswerOptions.of(body, body.num_logprobs),
         stream_options=body.stream_options,
+        session=session,
     )
 
 

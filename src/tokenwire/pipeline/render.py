@@ -25,12 +25,12 @@ class ChatPrompt:
     """A chat request rendered and checked, ready to generate from."""
 
     request_id: str
-    rendered: RenderedChat
+    rendered: RenderedChat | None  # None: the ids were extended, not rendered (sessions)
     prompt: ValidPrompt
 
 
 async def chat_prompt(
-    pipeline: Pipeline, runtime: ModelRuntime, body: ChatCompletionRequest
+    pipeline: Pipeline, runtime: ModelRuntime, body: ChatCompletionRequest, *, record: bool = False
 ) -> ChatPrompt:
     rendered = await render_chat(
         pipeline, runtime, body, add_special_tokens=body.add_special_tokens
@@ -43,6 +43,7 @@ async def chat_prompt(
         rendered.token_ids,
         param="messages",
         media=media.engine_input() if media is not None else None,
+        record=record,
     )
     return ChatPrompt(chat_request_id(body), rendered, prompt)
 
@@ -55,15 +56,19 @@ def chat_request_prompt(
     *,
     param: str,
     media: MultiModalInput | None = None,
+    record: bool = False,
 ) -> ValidPrompt:
-    """A chat request's prompt ``token_ids`` with its sampling params, checked."""
+    """A chat request's prompt ``token_ids`` with its sampling params, checked. ``record``: the
+    engine reports the sampled tokens' logprobs even when the answer shows none (a session
+    records them)."""
+    logprobs = body.num_logprobs
     return request_prompt(
         pipeline.config,
         runtime,
         body,
         token_ids,
         max_tokens=body.requested_max_tokens,
-        logprobs=body.num_logprobs,
+        logprobs=logprobs if logprobs is not None or not record else 0,
         param=param,
         media=media,
     )
@@ -115,6 +120,7 @@ async def render_chat_request(pipeline: Pipeline, body: ChatCompletionRequest) -
     """/v1/chat/completions/render: one GenerateRequest, with the images' features."""
     runtime = pipeline.ready(body.model)
     prompt = await chat_prompt(pipeline, runtime, body)
+    assert prompt.rendered is not None  # rendered, not extended
     media = prompt.rendered.media
     features = None
     if media is not None:

@@ -10,7 +10,7 @@ from tokenwire.api.disconnect import unless_disconnected
 from tokenwire.api.openapi import MEDIA_ERRORS, streamed
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.sse import sse_response
-from tokenwire.api.state import pipeline_of
+from tokenwire.api.state import pipeline_of, session_header
 from tokenwire.pipeline.logprob_limit import apply_logprob_limit
 from tokenwire.pipeline.openai import CompletionRun, start_chat_completion, start_completion
 from tokenwire.protocol.openai import ChatCompletionRequest, CompletionRequest
@@ -32,7 +32,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     pipeline = pipeline_of(request)
     apply_logprob_limit(pipeline, body)
     await admitted(request, pipeline)
-    run = await start_chat_completion(pipeline, body)
+    run = await start_chat_completion(pipeline, body, session_id=session_header(request))
     return await _respond(run, request, stream=body.stream)
 
 

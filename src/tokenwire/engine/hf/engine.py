@@ -28,7 +28,11 @@ from tokenwire.engine.base import (
     WeightsError,
     WeightUpdate,
 )
-from tokenwire.engine.defaults import DEFAULT_PREFIX_CACHE_BYTES
+from tokenwire.engine.defaults import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_PREFIX_CACHE_BYTES,
+    default_engine_threads,
+)
 from tokenwire.engine.hf.checkpoint import read_checkpoint
 from tokenwire.engine.hf.handoff import (
     Abort,
@@ -117,6 +121,8 @@ class HFEngine:
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         max_loras: int = 0,
         max_lora_rank: int = 16,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        threads: int | None = None,
         allow_nonfinite_weights: bool = False,
     ) -> None:
         """``max_loras`` > 0 turns LoRA on: that many adapter versions live at once."""
@@ -133,6 +139,8 @@ class HFEngine:
             raise ValueError("max_model_len must be at least 2")
         if max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
+        if max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
         self.max_num_seqs = max_num_seqs
         self.vision = VisionSpec.from_config(self.config)
         self.multimodal = self.vision is not None  # takes image input
@@ -157,6 +165,7 @@ class HFEngine:
             dtype=dtype,
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
+            threads=threads or default_engine_threads(),
         )
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._scheduler = Scheduler(
@@ -165,6 +174,7 @@ class HFEngine:
             max_num_seqs=max_num_seqs,
             max_model_len=self.max_model_len,
             prefix_cache_bytes=prefix_cache_bytes,
+            max_num_batched_tokens=max_num_batched_tokens,
         )
         self._receiver = WeightReceiver(self._runner)
         self._thread: threading.Thread | None = None
@@ -209,6 +219,8 @@ class HFEngine:
                 "steps": s.steps,
                 "tokens_generated": s.tokens_generated,
                 "kv_cache_bytes": s.kv_cache_bytes,
+                "prefill_steps": s.prefill_steps,
+                "max_prefills_between_decodes": s.max_prefills_between_decodes,
                 **s.prefix_stats,
             },
         )

@@ -28,6 +28,16 @@ class Sink:
 
 
 @dataclass(slots=True)
+class PrefillProgress:
+    """A context prefilled one chunk per step, between chunks: the request waits at the head
+    of the queue with its own cache of the first ``done`` context tokens."""
+
+    cache: Any  # a DynamicCache, one row, no padding
+    done: int
+    scores: Any  # the runner's PromptScores so far, when the request scores its prompt
+
+
+@dataclass(slots=True)
 class Request:
     """A request as the engine thread tracks it."""
 
@@ -60,6 +70,8 @@ class Request:
     adapter: str | None = None
     adapter_slot: int = 0
     adapter_version: str | None = None
+    # A prompt longer than one prefill forward, part-way through (see ``PrefillProgress``).
+    progress: PrefillProgress | None = None
 
     @property
     def context(self) -> list[int]:

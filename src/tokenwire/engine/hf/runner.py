@@ -18,7 +18,7 @@ import torch
 
 from tokenwire.engine.base import EngineError, TokenLogprob, WeightsError
 from tokenwire.engine.hf import invariance
-from tokenwire.engine.hf.handoff import Request
+from tokenwire.engine.hf.handoff import PrefillProgress, Request
 from tokenwire.engine.hf.host_memory import return_free_heap_to_os
 from tokenwire.engine.hf.kv_cache import PaddedBatchCache
 from tokenwire.engine.hf.lora import AdapterSlots
@@ -98,8 +98,10 @@ class ModelRunner:
         dtype: torch.dtype | str | None,
         max_loras: int = 0,
         max_lora_rank: int = 0,
+        threads: int,
     ) -> None:
         self.model_dir = model_dir
+        self.threads = threads
         self.vision = vision
         self.vocab_size = vocab_size  # the config's until load() reads the embedding size
         self.max_num_seqs = max_num_seqs
@@ -124,6 +126,8 @@ class ModelRunner:
         )
 
         auto = AutoModelForImageTextToText if self.vision is not None else AutoModelForCausalLM
+        # On the engine thread, which runs every forward (OpenMP's thread count is per thread).
+        torch.set_num_threads(self.threads)
         invariance.register()
         model = auto.from_pretrained(
             self.model_dir, dtype=self.dtype, attn_implementation=invariance.ATTENTION
@@ -279,7 +283,52 @@ class ModelRunner:
         )
         for req in group:
             req.media = None  # the pixels live in the KV cache now; free them for long decodes
-        scores = self._score_prompt(hidden, group[0]) if hidden is not None else None
+        scores = None
+        if hidden is not None:
+            scores = PromptScores()
+            self._score_prompt(hidden, group[0], len(group[0].prompt) - hidden.shape[0], scores)
+        self._give_samplers(group)
+        return Prefilled(last_logits, scores, cache, mask)
+
+    def prefill_chunk(self, req: Request, past: LayerKV | None, end: int) -> Prefilled | None:
+        """Prefill context tokens up to ``end`` of a request prefilled alone, chunk by chunk.
+
+        The first chunk starts after its ``num_cached`` tokens (``past``: their KV); each chunk
+        attends over the request's own cache of the earlier ones (one row, no padding, so the
+        positions are plain). Until ``end`` reaches the context's end the request's progress
+        holds that cache and None is returned; the last chunk gives its ``Prefilled``.
+        """
+        from transformers import DynamicCache
+
+        progress = req.progress
+        if progress is None:
+            cache = (
+                DynamicCache(ddp_cache_data=_padded_past([past], [req.num_cached]))
+                if past is not None
+                else DynamicCache()
+            )
+            progress = req.progress = PrefillProgress(cache, req.num_cached, None)
+        start = progress.done
+        ids = torch.tensor([req.context[start:end]], device=self.device)
+        mask = torch.ones(1, end, dtype=torch.bool, device=self.device)
+        positions = torch.arange(start, end, device=self.device).unsqueeze(0)
+        wants_prompt = req.wants_prompt_logprobs
+        self._row_padding.active = req.seeded
+        last_logits, hidden = self._prefill_forward(
+            [req], ids, mask, positions, progress.cache, wants_prompt
+        )
+        if hidden is not None:
+            if progress.scores is None:
+                progress.scores = PromptScores()
+            self._score_prompt(hidden, req, start, progress.scores)
+        progress.done = end
+        if end < len(req.context):
+            return None
+        req.progress = None
+        self._give_samplers([req])
+        return Prefilled(last_logits, progress.scores, progress.cache, mask)
+
+    def _give_samplers(self, group: list[Request]) -> None:
         for req in group:
             if req.sampler is not None:  # recomputed after a pause: same history, same generator
                 continue
@@ -287,7 +336,6 @@ class ModelRunner:
             req.sampler = RowSampler.create(
                 req.params, req.prompt, stops, self.vocab_size, self.device
             )
-        return Prefilled(last_logits, scores, cache, mask)
 
     def _prefill_forward(
         self,
@@ -396,38 +444,39 @@ class ModelRunner:
         assert self.cache is not None
         return self.cache.drop(rows)
 
-    def _score_prompt(self, hidden: torch.Tensor, req: Request) -> PromptScores:
-        """The prompt scores ``req`` asked for, from one projection of each chunk of positions.
+    def _score_prompt(
+        self, hidden: torch.Tensor, req: Request, begin: int, scores: PromptScores
+    ) -> None:
+        """Add to ``scores`` what ``req`` asked of prompt positions ``begin ..
+        begin + len(hidden)`` (``hidden``: their last hidden states), projecting a chunk of
+        positions at a time.
 
         Hidden position t predicts prompt token t + 1. Top-k logprobs cover every token but the
         first; the given ids' (teacher scoring) cover the tokens after ``prompt_logprob_start``.
         """
         params = req.params
         prompt = req.prompt
-        offset = hidden.shape[0] - len(prompt)
-        scores = PromptScores()
         k = params.prompt_logprobs
-        if k is not None:
+        if k is not None and scores.logprobs is None:
             scores.logprobs = [None]
         given = params.prompt_logprob_token_ids
         start = params.prompt_logprob_start
         targets: torch.Tensor | None = None
         if given is not None:
             targets = torch.tensor(given, dtype=torch.long, device=hidden.device)
-            scored = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
-        first = 0 if k is not None else start
-        for begin in range(first, len(prompt) - 1, PROMPT_LOGPROB_CHUNK):
-            end = min(begin + PROMPT_LOGPROB_CHUNK, len(prompt) - 1)
-            chunk = self._project(hidden[offset + begin : offset + end]).float()
+            if scores.token_id_logprobs is None:
+                scores.token_id_logprobs = np.empty(tuple(targets.shape), dtype=np.float32)
+        first = max(begin, 0 if k is not None else start)
+        last = min(begin + hidden.shape[0], len(prompt) - 1)
+        for lo_pos in range(first, last, PROMPT_LOGPROB_CHUNK):
+            hi_pos = min(lo_pos + PROMPT_LOGPROB_CHUNK, last)
+            chunk = self._project(hidden[lo_pos - begin : hi_pos - begin]).float()
             if scores.logprobs is not None:
-                chosen = prompt[begin + 1 : end + 1]
+                chosen = prompt[lo_pos + 1 : hi_pos + 1]
                 scores.logprobs.extend(token_logprobs(chunk, chosen, [k or 0] * len(chosen)))
-            if targets is not None and end > start:
-                lo = max(begin, start)
-                rows = targets[lo - start : end - start]
-                lp = torch.log_softmax(chunk[lo - begin :], dim=-1)
-                picked = lp.gather(1, rows.clamp(min=0))
-                scored[lo - start : end - start] = picked.masked_fill(rows < 0, float("-inf"))
-        if targets is not None:
-            scores.token_id_logprobs = scored.cpu().numpy()
-        return scores
+            if targets is not None and scores.token_id_logprobs is not None and hi_pos > start:
+                lo = max(lo_pos, start)
+                rows = targets[lo - start : hi_pos - start]
+                lp = torch.log_softmax(chunk[lo - lo_pos :], dim=-1)
+                picked = lp.gather(1, rows.clamp(min=0)).masked_fill(rows < 0, float("-inf"))
+                scores.token_id_logprobs[lo - start : hi_pos - start] = picked.cpu().numpy()

@@ -1,10 +1,16 @@
 """The engine thread's step loop: which requests wait, prefill, decode, finish or abort.
 
-A step is either a prefill of waiting requests (FIFO, within free slots and a padded-token budget;
-their rows then join the running cache) or one decode step for every running row. Rows that
-finish or are aborted leave the cache right after the step that ends them; ``running[i]`` is
-always cache row ``i``. A failed prefill fails only its group; a failed decode fails the batch
-and starts from an empty cache.
+A step is either a prefill of waiting requests (FIFO, within free slots and a padded-token budget,
+``max_num_batched_tokens``; their rows then join the running cache) or one decode step for every
+running row. A context longer than the budget is prefilled alone in chunks of the budget, one
+chunk per step, and waits at the head of the queue in between (``PrefillProgress``); its chunk
+boundaries depend on its own context only, so a seeded request's logits do not depend on what
+else runs. Decodes are never starved: while rows are running, at most one prefill forward runs
+between two decode steps, and only once the decode steps since the last prefill took at least as
+long as it did (prefill gets at most about half of the engine's time while streams decode).
+Rows that finish or are aborted leave the cache right after the step that ends them;
+``running[i]`` is always cache row ``i``. A failed prefill fails only its group; a failed decode
+fails the batch and starts from an empty cache.
 
 The prefix cache (``prefix_cache``) gives a prefill the KV of a context's cached blocks, and
 keeps each prefilled prompt's blocks and each leaving row's prompt and output blocks. A waiting
@@ -22,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import queue
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -59,9 +66,6 @@ from tokenwire.engine.stopping import check_stop
 
 logger = logging.getLogger(__name__)
 
-# Padded tokens one prefill forward may hold: bounds prefill memory and decode stalls.
-MAX_PREFILL_TOKENS = 4096
-
 
 @dataclass(frozen=True, slots=True)
 class LiveAdapter:
@@ -76,8 +80,9 @@ class LiveAdapter:
 class Scheduler:
     """Runs steps until told to stop; all its state belongs to the engine thread.
 
-    ``num_running``, ``num_waiting``, ``steps``, ``tokens_generated`` and ``kv_cache_bytes``
-    are published for ``stats()`` as plain ints (atomic reads from the event loop).
+    ``num_running``, ``num_waiting``, ``steps``, ``tokens_generated``, ``kv_cache_bytes``,
+    ``prefill_steps`` and ``max_prefills_between_decodes`` are published for ``stats()`` as
+    plain ints (atomic reads from the event loop).
     """
 
     def __init__(
@@ -88,8 +93,10 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         prefix_cache_bytes: int,
+        max_num_batched_tokens: int,
     ) -> None:
         self.runner = runner
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.inbox = inbox
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -113,6 +120,13 @@ class Scheduler:
         self.tokens_generated = 0
         self.kv_cache_bytes = 0
         self.prefix_stats: dict[str, int] = {}
+        # Fairness: prefill forwards, the most that ran while rows waited for a decode step
+        # (the scheduler keeps it at 1), and the time each side took since the other ran.
+        self.prefill_steps = 0
+        self.max_prefills_between_decodes = 0
+        self._prefills_since_decode = 0
+        self._prefill_seconds = 0.0
+        self._decode_seconds = 0.0
 
     def run(self) -> None:
         """Step until a ``Stop`` arrives, then end every stream, late arrivals included."""
@@ -129,14 +143,22 @@ class Scheduler:
                     self._abort_all(emits)
                 elif self.paused:
                     pass
-                elif self.waiting and len(self.running) < self.max_num_seqs:
+                elif (
+                    self.waiting and len(self.running) < self.max_num_seqs and self._prefill_turn()
+                ):
                     self._memory_to_release = True
+                    self._count_prefill()
+                    began = time.perf_counter()
                     try:
                         self._prefill_step(emits)
                     except Exception as exc:  # only the group fails; the running cache is intact
                         logger.exception("hf engine: prefill failed; failing its requests")
                         self._fail(self._prefilling, exc, emits)
+                    self._prefill_seconds = time.perf_counter() - began
+                    self._decode_seconds = 0.0
                 elif self.running:
+                    self._prefills_since_decode = 0
+                    began = time.perf_counter()
                     try:
                         self._decode_step(emits)
                     except Exception as exc:
@@ -144,11 +166,33 @@ class Scheduler:
                         self._fail(self.running, exc, emits)
                         self.running = []
                         self.runner.reset_cache()
+                    self._decode_seconds += time.perf_counter() - began
                 self._prefilling = []
                 self._finish_drain()
                 self._publish()
                 deliver(emits)
         self._refuse_late_requests()
+
+    def _prefill_turn(self) -> bool:
+        """Whether a prefill may run now: always when no row is running; else only right after
+        a decode step, once the decode steps since the last prefill took as long as it did."""
+        if not self.running:
+            return True
+        return self._prefills_since_decode == 0 and self._decode_seconds >= self._prefill_seconds
+
+    def _count_prefill(self) -> None:
+        self.prefill_steps += 1
+        if self.running:  # running rows wait for this forward
+            self._prefills_since_decode += 1
+            self.max_prefills_between_decodes = max(
+                self.max_prefills_between_decodes, self._prefills_since_decode
+            )
+
+    def _restart_prefills(self) -> None:
+        """Forget chunked prefills under way (new weights, or a pause freeing KV): they start
+        over, and only the head of the queue may ever hold one."""
+        for req in self.waiting:
+            req.progress = None
 
     def _refuse_late_requests(self) -> None:
         """Requests that raced with shutdown still get a final output."""
@@ -246,6 +290,7 @@ class Scheduler:
                 # Even a broken-off broadcast may have changed some weights: KV of the old
                 # ones must not serve new requests.
                 self.prefix.clear()
+                self._restart_prefills()
                 for req in self.running:
                     req.stale_kv = True
             if cmd.version is not None:
@@ -290,6 +335,7 @@ class Scheduler:
                 kept.append(req)
         self.running = []
         self.runner.reset_cache()
+        self._restart_prefills()
         self.waiting.extendleft(reversed(kept))
 
     def _version(self, req: Request) -> str:
@@ -338,8 +384,11 @@ class Scheduler:
         """FIFO requests for one prefill forward, within free slots and the token budget.
 
         Sets each one's ``num_cached``. A request waits for a later group when a request of this
-        one will store its next uncached block (see the module docstring).
+        one will store its next uncached block (see the module docstring). A context longer than
+        the budget goes alone (chunked), as does the head of the queue part-way through one.
         """
+        if self.waiting[0].progress is not None:
+            return [self.waiting.popleft()]
         free = self.max_num_seqs - len(self.running)
         group: list[Request] = []
         coming: set[bytes] = set()  # blocks this group's prompts will store
@@ -363,7 +412,7 @@ class Scheduler:
             if reads_cache and hit < len(usable) and usable[hit] in coming:
                 continue
             new_longest = max(longest, len(req.context) - hit * BLOCK_TOKENS)
-            if group and new_longest * (len(group) + 1) > MAX_PREFILL_TOKENS:
+            if group and new_longest * (len(group) + 1) > self.max_num_batched_tokens:
                 break
             if keys and reads_cache:
                 self.prefix.record(hit)
@@ -371,7 +420,7 @@ class Scheduler:
             coming.update(keys)
             group.append(req)
             longest = new_longest
-            if req.media is not None:
+            if req.media is not None or self._chunked(req):
                 break
         chosen = {id(r) for r in group}
         self.waiting = deque(r for r in self.waiting if id(r) not in chosen)
@@ -387,17 +436,40 @@ class Scheduler:
             return block_keys(req.context, req.prompt_keys, salt=req.salt)
         return req.prompt_keys
 
+    def _chunked(self, req: Request) -> bool:
+        """Its prefill takes more than one forward (a prompt with images never does: its vision
+        tower and M-RoPE positions run once, in one forward)."""
+        if req.media is not None:
+            return False
+        return req.progress is not None or (
+            len(req.context) - req.num_cached > self.max_num_batched_tokens
+        )
+
+    def _cached_past(self, req: Request) -> LayerKV | None:
+        """The prefix cache's KV of the ``num_cached`` tokens ``_next_group`` matched."""
+        if not req.num_cached:
+            return None
+        return self.prefix.fetch(self._context_keys(req)[: req.num_cached // BLOCK_TOKENS])
+
     def _prefill_step(self, emits: Emits) -> None:
         group = self._prefilling = self._next_group()
-        pasts: list[LayerKV | None] = [
-            self.prefix.fetch(self._context_keys(r)[: r.num_cached // BLOCK_TOKENS])
-            if r.num_cached
-            else None
-            for r in group
-        ]
-        prefilled = self.runner.prefill(group, pasts)
-        del pasts
+        head = group[0]
+        if self._chunked(head):
+            if head.progress is None:
+                past, start = self._cached_past(head), head.num_cached
+            else:
+                past, start = None, head.progress.done
+            end = min(len(head.context), start + self.max_num_batched_tokens)
+            prefilled = self.runner.prefill_chunk(head, past, end)
+            del past
+        else:
+            pasts = [self._cached_past(r) for r in group]
+            prefilled = self.runner.prefill(group, pasts)
+            del pasts
         self.steps += 1
+        if prefilled is None:  # more chunks to come: it keeps its place at the head
+            self.waiting.appendleft(head)
+            return
         for i, req in enumerate(group):
             req.stale_kv = False
             self.prefix.keep(

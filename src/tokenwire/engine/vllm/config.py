@@ -25,6 +25,7 @@ def engine_args(
     max_logprobs: int = 20,
     max_loras: int = 0,
     max_lora_rank: int = 16,
+    max_num_batched_tokens: int | None = None,
 ) -> Any:
     """``AsyncEngineArgs`` for ``model_dir``; ``extra`` are vLLM CLI flags passed through."""
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -40,6 +41,8 @@ def engine_args(
     args.max_logprobs = max_logprobs
     if max_model_len is not None:
         args.max_model_len = max_model_len
+    if max_num_batched_tokens is not None:  # tokenwire's flag, vLLM's name and meaning
+        args.max_num_batched_tokens = max_num_batched_tokens
     if dtype not in (None, "", "auto"):
         args.dtype = dtype
     if max_loras:

@@ -58,6 +58,7 @@ class VLLMEngine:
         max_logprobs: int = 20,
         max_loras: int = 0,
         max_lora_rank: int = 16,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.model_name = self.model_dir.name
@@ -69,6 +70,7 @@ class VLLMEngine:
             "max_logprobs": max_logprobs,
             "max_loras": max_loras,
             "max_lora_rank": max_lora_rank,
+            "max_num_batched_tokens": max_num_batched_tokens,
         }
         if max_loras:
             self.features = self.features | {"lora"}
@@ -105,6 +107,7 @@ class VLLMEngine:
                 max_logprobs=self._options["max_logprobs"],
                 max_loras=self._options["max_loras"],
                 max_lora_rank=self._options["max_lora_rank"],
+                max_num_batched_tokens=self._options["max_num_batched_tokens"],
             )
             self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         except Exception as exc:

@@ -1,0 +1,54 @@
+"""Anthropic Messages: POST /v1/messages, /v1/messages/count_tokens and /v1/messages/render."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from tokenwire.api.admission import admitted
+from tokenwire.api.disconnect import unless_disconnected
+from tokenwire.api.openapi import MEDIA_ERRORS, streamed
+from tokenwire.api.responses import OrjsonResponse
+from tokenwire.api.sse import sse_response
+from tokenwire.api.state import pipeline_of, session_header
+from tokenwire.pipeline import anthropic
+from tokenwire.pipeline.openai import start_chat_completion
+from tokenwire.protocol.anthropic import (
+    AnthropicMessageResponse,
+    AnthropicStreamEvent,
+    CountTokensRequest,
+    CountTokensResponse,
+    MessagesRequest,
+)
+from tokenwire.protocol.generate import GenerateRequest
+
+router = APIRouter(tags=["anthropic"])
+
+
+@router.post(
+    "/v1/messages",
+    response_model=AnthropicMessageResponse,
+    responses={**streamed(AnthropicStreamEvent), **MEDIA_ERRORS},
+)
+async def messages(body: MessagesRequest, request: Request) -> Response:
+    pipeline = pipeline_of(request)
+    chat = anthropic.chat_request(body, request_id=anthropic.new_message_id())
+    await admitted(request, pipeline)
+    run = await start_chat_completion(
+        pipeline, chat, session_id=session_header(request), dialect="anthropic"
+    )
+    if body.stream:
+        return sse_response(anthropic.message_events(run), named=True)
+    return OrjsonResponse(await unless_disconnected(request, anthropic.message(run)))
+
+
+@router.post(
+    "/v1/messages/count_tokens", response_model=CountTokensResponse, responses=MEDIA_ERRORS
+)
+async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
+    return OrjsonResponse(await anthropic.count_tokens(pipeline_of(request), body))
+
+
+@router.post("/v1/messages/render", response_model=GenerateRequest, responses=MEDIA_ERRORS)
+async def render_messages(body: MessagesRequest, request: Request) -> Response:
+    return OrjsonResponse(await anthropic.render_messages(pipeline_of(request), body))

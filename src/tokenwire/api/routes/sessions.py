@@ -1,0 +1,68 @@
+"""Recorded sessions: GET /v1/sessions, GET and DELETE /v1/sessions/{session_id}."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel
+from starlette.responses import Response
+
+from tokenwire.api.control_key import CONTROL
+from tokenwire.api.responses import OrjsonResponse
+from tokenwire.api.state import pipeline_of
+from tokenwire.pipeline.errors import UnknownSession
+from tokenwire.pipeline.sessions import trajectory
+
+router = APIRouter(tags=["sessions"])
+
+
+class SessionInfo(BaseModel):
+    id: str
+    turns: int
+    bytes: int
+    created: float
+    updated: float
+
+
+class SessionList(BaseModel):
+    object: str
+    data: list[SessionInfo]
+
+
+class Trajectory(BaseModel):
+    id: str
+    # Each turn: turn, segment, dialect, prompt_ids, sampled_ids, logprobs, finish_reason,
+    # weight_versions.
+    turns: list[dict[str, Any]]
+    # Each segment: segment, reason, turns, token_ids, loss_mask.
+    segments: list[dict[str, Any]]
+
+
+class Deleted(BaseModel):
+    id: str
+    deleted: bool
+
+
+_NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "Unknown session"}}
+
+
+@router.get("/v1/sessions", response_model=SessionList)
+async def list_sessions(request: Request) -> Response:
+    sessions = await pipeline_of(request).session_store().sessions()
+    return OrjsonResponse({"object": "list", "data": sessions})
+
+
+@router.get("/v1/sessions/{session_id}", response_model=Trajectory, responses=_NOT_FOUND)
+async def get_session(session_id: str, request: Request) -> Response:
+    return OrjsonResponse(await trajectory(pipeline_of(request).session_store(), session_id))
+
+
+# Deleting a trajectory loses training data: the control key only (``api.control_key``).
+@router.delete(
+    "/v1/sessions/{session_id}", response_model=Deleted, responses=_NOT_FOUND, tags=[CONTROL]
+)
+async def delete_session(session_id: str, request: Request) -> Response:
+    if not await pipeline_of(request).session_store().delete(session_id):
+        raise UnknownSession(f"session {session_id!r} does not exist", "session_id")
+    return OrjsonResponse({"id": session_id, "deleted": True})

@@ -1,0 +1,216 @@
+"""Sessions: the turns of a request series sharing an ``X-Session-ID``, recorded as the engine
+ran them, so a trainer reads the exact ids, logprobs and weight versions of an agent's episode.
+
+A turn whose messages are the session's last messages (ending with the reply it was given) plus
+new ones gets its prompt from extend (``keep_history``): the previous prompt and sampled ids
+verbatim, then what the template writes after them. A harness that rewrote its history
+(compaction, truncation, edits, other tools) gets the full render, and the turn starts a new
+segment whose reason says why. Recorded ids are never rewritten: each segment's ids are its last
+turn's prompt + sampled ids, and every earlier turn of the segment is a prefix of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from tokenwire.media.refs import chat_media_refs
+from tokenwire.pipeline.choice import Choice
+from tokenwire.pipeline.context import ModelRuntime, Pipeline
+from tokenwire.pipeline.dialect import arguments_object
+from tokenwire.pipeline.errors import InvalidRequest, UnknownSession
+from tokenwire.pipeline.extend import extension
+from tokenwire.pipeline.render import ChatPrompt, chat_prompt, chat_request_id, chat_request_prompt
+from tokenwire.pipeline.session_store import Head, SessionStore, Turn
+from tokenwire.protocol.extend import ExtendRequest
+from tokenwire.protocol.openai import ChatCompletionRequest
+
+MAX_SESSION_ID_CHARS = 256
+
+
+def session_id_of(value: str | None) -> str | None:
+    """The ``X-Session-ID`` header's session, checked; None without the header."""
+    if value is None:
+        return None
+    if not value or len(value) > MAX_SESSION_ID_CHARS or not value.isprintable():
+        raise InvalidRequest(
+            f"X-Session-ID must be 1 to {MAX_SESSION_ID_CHARS} printable characters",
+            "X-Session-ID",
+        )
+    return value
+
+
+@dataclass(slots=True)
+class SessionTurn:
+    """One request's turn of a session: how its prompt was built, recorded once it ran."""
+
+    store: SessionStore
+    session_id: str
+    dialect: str
+    head: Head | None
+    segment: int
+    reason: str | None
+    messages: list[dict[str, Any]]
+    context: str
+
+    async def record(self, choice: Choice, reply: dict[str, Any]) -> None:
+        """Append the turn (the choice's prompt, ids, logprobs) and make it the session's head;
+        ``reply`` is the chat message the client got (its ``reasoning`` copy left out)."""
+        reply = {key: value for key, value in reply.items() if key != "reasoning"}
+        turns = self.head.turns if self.head is not None else 0
+        latest = await self.store.head(self.session_id)
+        segment, reason = self.segment, self.reason
+        if (latest.turns if latest is not None else 0) != turns:
+            # Another request of this session was recorded while this one ran: this turn does
+            # not extend that one, so it stands in a segment of its own.
+            assert latest is not None
+            turns, segment = latest.turns, latest.segment + 1
+            reason = "another request of this session was recorded while this one ran"
+        token_ids = [*choice.prompt_ids, *choice.token_ids]
+        # A turn that extends the head stores only what its prompt adds (a long episode would
+        # otherwise store its context once per turn); the trajectory puts the prefix back.
+        prompt: dict[str, list[int]] = {"prompt_ids": choice.prompt_ids}
+        if self.head is not None and reason is None:
+            prompt = {"prompt_tail": choice.prompt_ids[len(self.head.token_ids) :]}
+        data = {
+            "dialect": self.dialect,
+            **prompt,
+            "sampled_ids": choice.token_ids,
+            "logprobs": [entry.logprob for entry in choice.logprobs or ()],
+            "finish_reason": choice.finish_reason,
+            "weight_versions": choice.weight_versions.spans,
+        }
+        head = Head(turns + 1, segment, token_ids, [*self.messages, reply], self.context)
+        await self.store.append(self.session_id, Turn(segment, reason, data), head)
+
+
+async def session_prompt(
+    pipeline: Pipeline,
+    runtime: ModelRuntime,
+    body: ChatCompletionRequest,
+    store: SessionStore,
+    session_id: str,
+    dialect: str,
+) -> tuple[ChatPrompt, SessionTurn]:
+    """The prompt of a session's next turn: extended from the session's head where the request
+    continues it, else the full render (a new segment, with the reason)."""
+    if body.n != 1:
+        raise InvalidRequest("a session turn samples one choice: n must be 1", "n")
+    head = await store.head(session_id)
+    messages = [message.model_dump(exclude_unset=True) for message in body.messages]
+    context = _context(body)
+    reason = _rewritten(head, messages, context) if head is not None else None
+    if chat_media_refs(body.messages) and head is not None and reason is None:
+        reason = "the messages carry media, which extend does not take: rendered in full"
+    prompt: ChatPrompt | None = None
+    if head is not None and reason is None:
+        request = ExtendRequest.model_validate(
+            {
+                **body.model_dump(exclude_unset=True),
+                "messages": messages[len(head.messages) :],
+                "previous_token_ids": head.token_ids,
+                "previous_messages": head.messages,
+                "keep_history": True,
+            }
+        )
+        extended = await extension(pipeline, runtime, request)
+        previous = head.token_ids
+        # Extend keeps the previous ids up to the reply's end-of-turn; a turn that sampled past
+        # it (ignore_eos) is not a prefix of the next prompt, so it cannot share its segment.
+        if extended.extended and extended.token_ids[: len(previous)] == previous:
+            ids = chat_request_prompt(
+                pipeline, runtime, body, extended.token_ids, param="messages", record=True
+            )
+            prompt = ChatPrompt(chat_request_id(body), None, ids)
+        else:
+            reason = extended.reason or "extend dropped some of the previous turn's ids"
+    if prompt is None:
+        prompt = await chat_prompt(pipeline, runtime, body, record=True)
+    segment = 0 if head is None else head.segment + (reason is not None)
+    turn = SessionTurn(store, session_id, dialect, head, segment, reason, messages, context)
+    return prompt, turn
+
+
+def _context(body: ChatCompletionRequest) -> str:
+    """What renders the ids besides the messages: a change means a new render."""
+    return orjson.dumps(
+        {
+            "tools": [tool.model_dump(exclude_unset=True) for tool in body.tools or ()],
+            "chat_template": body.chat_template,
+            "chat_template_kwargs": body.chat_template_kwargs,
+            "add_special_tokens": body.add_special_tokens,
+        },
+        option=orjson.OPT_SORT_KEYS,
+    ).decode()
+
+
+def _rewritten(head: Head, messages: list[dict[str, Any]], context: str) -> str | None:
+    """Why this request does not continue the session's history; None when it does."""
+    if context != head.context:
+        return "the tools or chat template options changed"
+    history = head.messages
+    if len(messages) <= len(history):
+        return (
+            f"history rewritten: the request has {len(messages)} messages, not more than the "
+            f"{len(history)} of the session's history"
+        )
+    for index, (sent, kept) in enumerate(zip(messages, history, strict=False)):
+        if _key(sent, kept) != _key(kept, sent):
+            return f"history rewritten: message {index} differs from the session's history"
+    return None
+
+
+def _key(message: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """What must agree for a message sent back to be the one recorded: role, text, tool calls
+    (name and arguments, not ids) and the call a tool message answers; reasoning only when both
+    carry it (harnesses may drop it, the recorded ids keep it)."""
+    calls = [
+        (call["function"]["name"], arguments_object(call["function"]["arguments"]))
+        for call in message.get("tool_calls") or ()
+    ]
+    key = {
+        "role": message["role"],
+        "content": message.get("content") or "",
+        "tool_calls": calls,
+        "tool_call_id": message.get("tool_call_id"),
+        "name": message.get("name"),
+    }
+    if message.get("reasoning_content") and other.get("reasoning_content"):
+        key["reasoning"] = message["reasoning_content"]
+    return key
+
+
+async def trajectory(store: SessionStore, session_id: str) -> dict[str, Any]:
+    """``GET /v1/sessions/{id}``: the turns, and each segment's whole ids with its loss mask
+    (1 exactly where a turn's sampled ids sit)."""
+    turns = await store.turns(session_id)
+    if turns is None:
+        raise UnknownSession(f"session {session_id!r} does not exist", "session_id")
+    segments: dict[int, dict[str, Any]] = {}
+    turn_json = []
+    previous: list[int] = []  # the last turn's prompt + sampled ids
+    for index, turn in enumerate(turns):
+        data = dict(turn.data)
+        if "prompt_tail" in data:
+            data["prompt_ids"] = [*previous, *data.pop("prompt_tail")]
+        prompt, sampled = data["prompt_ids"], data["sampled_ids"]
+        previous = [*prompt, *sampled]
+        turn_json.append({"turn": index, "segment": turn.segment, **data})
+        segment = segments.get(turn.segment)
+        if segment is None:
+            segment = segments[turn.segment] = {
+                "segment": turn.segment,
+                "reason": turn.reason,
+                "turns": [],
+                "token_ids": [],
+                "loss_mask": [],
+            }
+        segment["turns"].append(index)
+        mask = segment["loss_mask"]
+        # The turn's prompt starts with the segment's ids so far: only its tail is new.
+        mask.extend([0] * (len(prompt) - len(mask)))
+        mask.extend([1] * len(sampled))
+        segment["token_ids"] = previous
+    return {"id": session_id, "turns": turn_json, "segments": list(segments.values())}

@@ -1,0 +1,201 @@
+"""The hf scheduler under long prompts: chunked prefill stays exact and never starves decodes."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import queue
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.conftest import run_async
+from tests.test_engine_hf import Result, assert_parity, chat, collect, full_logprobs
+from tokenwire.assets import prepare
+from tokenwire.engine.base import SamplingParams
+from tokenwire.engine.hf import HFEngine
+from tokenwire.engine.hf.handoff import NewWeights, Reply, Request, Sink
+from tokenwire.engine.hf.runner import ModelRunner
+from tokenwire.engine.hf.scheduler import Scheduler
+
+pytestmark = [pytest.mark.hf_only, pytest.mark.model]
+
+run = run_async
+CHUNK = 32  # small, so that short prompts (cheap to check) take several chunks
+
+
+@pytest.fixture(scope="module")
+def smol_dir() -> Path:
+    return Path(prepare("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smol_dir: Path) -> AutoTokenizer:
+    return AutoTokenizer.from_pretrained(smol_dir)
+
+
+@pytest.fixture(scope="module")
+def ref_model(smol_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def chunked(smol_dir: Path) -> Iterator[HFEngine]:
+    eng = HFEngine(smol_dir, max_num_seqs=16, device="cpu", max_num_batched_tokens=CHUNK)
+    run(eng.start())
+    yield eng
+    run(eng.shutdown())
+
+
+def test_chunked_prefill_keeps_parity_and_prompt_logprobs(
+    chunked: HFEngine, tokenizer: AutoTokenizer, ref_model: torch.nn.Module
+) -> None:
+    """A 100+-token prompt in 32-token chunks: output and prompt logprobs equal one full
+    forward within 1e-4; a second turn takes its first blocks from the prefix cache and
+    chunks only the rest, with parity."""
+    prompt = chat(tokenizer, "Describe the water cycle for a child, in simple steps. " * 6)
+    assert len(prompt) > 3 * CHUNK and len(prompt) % CHUNK
+    before = chunked.stats().extra["prefill_steps"]
+    greedy = SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True)
+    first = run(collect(chunked, "chunk-1", prompt, greedy))
+    assert chunked.stats().extra["prefill_steps"] - before == math.ceil(len(prompt) / CHUNK)
+    assert_parity(ref_model, prompt, first, 3)
+
+    scored = run(
+        collect(chunked, "chunk-plp", prompt, SamplingParams(max_tokens=1, prompt_logprobs=2))
+    )
+    plp = scored.prompt_logprobs
+    assert plp is not None and len(plp) == len(prompt) and plp[0] is None
+    lp = full_logprobs(ref_model, prompt)
+    for t in range(1, len(prompt)):
+        entry = plp[t]
+        assert entry is not None and entry.token_id == prompt[t]
+        assert abs(entry.logprob - float(lp[t - 1, prompt[t]])) < 1e-4
+
+    second = prompt + first.tokens + chat(tokenizer, "Now the same for snow, in detail. " * 3)
+    again = run(collect(chunked, "chunk-2", second, greedy))
+    assert again.cached >= len(prompt) - 16  # the first turn's blocks (at most 16 recomputed)
+    assert len(second) - again.cached > CHUNK  # so the rest was chunked too
+    assert_parity(ref_model, second, again, 3)
+
+
+def test_seeded_chunked_prompt_is_the_same_under_a_flood(
+    chunked: HFEngine, tokenizer: AutoTokenizer
+) -> None:
+    """Chunk boundaries depend on the prompt only: a seeded request samples the same ids alone
+    and while other long prompts are chunked and decoded around it."""
+    prompt = chat(tokenizer, "Invent a short story about a lighthouse keeper. " * 3)
+    assert len(prompt) > CHUNK
+    seeded = SamplingParams(max_tokens=10, temperature=1.0, seed=11, ignore_eos=True)
+    alone = run(collect(chunked, "seed-alone", prompt, seeded))
+
+    async def flooded() -> Result:
+        others = [
+            collect(chunked, f"seed-flood-{i}", chat(tokenizer, f"Topic {i}. " * 30), seeded)
+            for i in range(3)
+        ]
+        results = await asyncio.gather(collect(chunked, "seed-mixed", prompt, seeded), *others)
+        return results[0]
+
+    assert run(flooded()).tokens == alone.tokens
+
+
+def test_a_prefill_flood_never_leaves_running_rows_undecoded() -> None:
+    """Two streams decode while six clients send 1000-token prompts with max_tokens 1: every
+    prompt is chunked, at most one prefill forward ever runs between two decode steps, and the
+    streams decode while the flood is prefilled (their rate is bench/bench_prefill_flood.py's)."""
+    eng = HFEngine(
+        Path(prepare("qwen3-tiny")), max_num_seqs=8, device="cpu", max_num_batched_tokens=64
+    )
+    run(eng.start())
+    try:
+        stream = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+        flood = SamplingParams(max_tokens=1, temperature=0)
+        progress = {"streamed": 0, "during_flood": 0, "flooding": 0}
+
+        async def innocent(i: int) -> Result:
+            res = Result()
+            async for out in eng.generate(f"innocent-{i}", [100 + i] * 20, stream):
+                res.tokens += out.new_token_ids
+                progress["streamed"] += len(out.new_token_ids)
+                if progress["flooding"]:
+                    progress["during_flood"] += len(out.new_token_ids)
+            return res
+
+        async def flooder(i: int) -> Result:
+            return await collect(
+                eng, f"flood-{i}", [(7 * i + t) % 5000 + 10 for t in range(1000)], flood
+            )
+
+        async def main() -> tuple[list[Result], list[Result]]:
+            streams = [asyncio.create_task(innocent(i)) for i in range(2)]
+            while progress["streamed"] < 4:
+                await asyncio.sleep(0.01)
+            progress["flooding"] = 1
+            floods = await asyncio.gather(*(flooder(i) for i in range(6)))
+            progress["flooding"] = 0
+            return list(await asyncio.gather(*streams)), list(floods)
+
+        before = eng.stats().extra["prefill_steps"]
+        streams, floods = run(main())
+        assert all(len(r.tokens) == 400 for r in streams)
+        assert all(len(r.tokens) == 1 and r.finish == "length" for r in floods)
+        stats = eng.stats().extra
+        assert stats["prefill_steps"] - before >= 6 * math.ceil(1000 / 64)
+        assert stats["max_prefills_between_decodes"] == 1
+        # Each of the ~96 chunks was followed by at least one decode step of both streams.
+        assert progress["during_flood"] >= 2 * 6 * math.ceil(1000 / 64)
+    finally:
+        run(eng.shutdown())
+
+
+def test_new_weights_restart_a_chunked_prefill_under_way() -> None:
+    """KV of the old weights must not serve a prompt: a prefill part-way through its chunks when
+    new weights arrive starts over, and samples what an uninterrupted prefill samples."""
+    model_dir = Path(prepare("qwen3-tiny"))
+    runner = ModelRunner(
+        model_dir, vision=None, vocab_size=0, max_num_seqs=4, device="cpu", dtype=None, threads=1
+    )
+    runner.load()
+    weights = {k: v.clone() for k, v in runner.model.state_dict().items()}
+    scheduler = Scheduler(
+        runner,
+        queue.SimpleQueue(),
+        max_num_seqs=4,
+        max_model_len=4096,
+        prefix_cache_bytes=0,
+        max_num_batched_tokens=64,
+    )
+    loop = asyncio.new_event_loop()  # never run: outputs and replies queue up unread
+    prompt = [(5 * t) % 3000 + 10 for t in range(200)]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+    def generate(rid: str, swap_after: int | None) -> list[int]:
+        req = Request(rid, prompt, params, Sink(loop, asyncio.Queue()))
+        scheduler.waiting.append(req)
+        with torch.inference_mode():
+            for step in range(50):
+                if step == swap_after:
+                    assert req.progress is not None and req.progress.done == 2 * 64
+                    swap = NewWeights(
+                        lambda: runner.swap_weights(weights),
+                        "v2",
+                        Reply(loop, loop.create_future()),
+                    )
+                    scheduler._control(swap, [])
+                    assert req.progress is None
+                if scheduler.waiting:
+                    scheduler._prefill_step([])
+                elif scheduler.running:
+                    scheduler._decode_step([])
+                else:
+                    return req.output
+        raise AssertionError("the request did not finish")
+
+    try:
+        assert generate("straight", None) == generate("restarted", 2)
+    finally:
+        loop.close()

@@ -1,0 +1,196 @@
+"""/v1/messages over the fake engine through the real ``anthropic`` SDK, streaming and not:
+thinking, text and tool_use blocks from Qwen3's parsers, stop reasons, usage, tool results fed
+back, count_tokens and render, and malformed requests refused with a 400."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anthropic
+import pytest
+
+from tests.chat_fixtures import TOOLS
+from tests.conftest import API_KEY
+from tests.fast_app import FastApp
+
+IM_END = 151645  # Qwen3's
+THINK_AND_CALL = (
+    "<think>\nThe user wants the weather.\n</think>\n\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+    "</tool_call>"
+)
+ANTHROPIC_TOOLS = [
+    {
+        "name": tool["function"]["name"],
+        "description": tool["function"]["description"],
+        "input_schema": tool["function"]["parameters"],
+    }
+    for tool in TOOLS
+]
+WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def anthropic_client(fast: FastApp, **kwargs: Any) -> anthropic.Anthropic:
+    """The real Anthropic SDK, sending through the app's TestClient."""
+    return anthropic.Anthropic(
+        base_url="http://testserver",
+        api_key=API_KEY,
+        http_client=fast.client,
+        max_retries=0,
+        **kwargs,
+    )
+
+
+def script(fast: FastApp, text: str) -> list[int]:
+    ids = [*fast.tokenize(text), IM_END]
+    fast.engine.script = lambda *_: ids
+    return ids
+
+
+def test_message_with_thinking_and_tool_use(fast_qwen3: FastApp) -> None:
+    ids = script(fast_qwen3, THINK_AND_CALL)
+    client = anthropic_client(fast_qwen3)
+    message = client.messages.create(
+        model="qwen3-tiny", max_tokens=64, messages=WEATHER, tools=ANTHROPIC_TOOLS
+    )
+    assert [block.type for block in message.content] == ["thinking", "tool_use"]
+    assert message.content[0].thinking == "\nThe user wants the weather.\n"
+    call = message.content[1]
+    assert call.name == "get_weather"
+    assert call.input == {"city": "Paris", "unit": "celsius"}
+    assert message.stop_reason == "tool_use"
+    assert message.usage.output_tokens == len(ids)
+    prompt = fast_qwen3.engine.calls[-1].prompt_token_ids
+    assert message.usage.input_tokens == len(prompt)
+    assert message.id.startswith("msg_") and message.role == "assistant"
+
+
+def test_message_stream_matches_whole(fast_qwen3: FastApp) -> None:
+    script(fast_qwen3, THINK_AND_CALL)
+    client = anthropic_client(fast_qwen3)
+    whole = client.messages.create(
+        model="qwen3-tiny", max_tokens=64, messages=WEATHER, tools=ANTHROPIC_TOOLS
+    )
+    with client.messages.stream(
+        model="qwen3-tiny", max_tokens=64, messages=WEATHER, tools=ANTHROPIC_TOOLS
+    ) as stream:
+        events = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+    assert "content_block_start" in events and "message_delta" in events
+    strip = [{k: v for k, v in b.model_dump().items() if k != "id"} for b in final.content]
+    assert strip == [{k: v for k, v in b.model_dump().items() if k != "id"} for b in whole.content]
+    assert final.stop_reason == "tool_use"
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_text_stop_sequence_and_max_tokens(fast_qwen3: FastApp) -> None:
+    script(fast_qwen3, "Paris is nice. Really.")
+    client = anthropic_client(fast_qwen3)
+    message = client.messages.create(
+        model="qwen3-tiny", max_tokens=64, messages=WEATHER, stop_sequences=["Really"]
+    )
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == "Really"
+    assert [block.type for block in message.content] == ["text"]
+    assert message.content[0].text == "Paris is nice. "
+    short = client.messages.create(model="qwen3-tiny", max_tokens=2, messages=WEATHER)
+    assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 2
+    with client.messages.stream(model="qwen3-tiny", max_tokens=64, messages=WEATHER) as stream:
+        text = "".join(stream.text_stream)
+        assert stream.get_final_message().stop_reason == "end_turn"
+    assert text == "Paris is nice. Really."
+
+
+def test_tool_result_renders_as_tool_message(fast_qwen3: FastApp) -> None:
+    """A tool_result round trip renders exactly as the chat route renders the same history."""
+    history = [
+        *WEATHER,
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "Weather.", "signature": ""},
+                {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "P"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "t1", "content": "sunny"},
+                {"type": "text", "text": "Thanks"},
+            ],
+        },
+    ]
+    client = fast_qwen3.client
+    body = {"model": "qwen3-tiny", "max_tokens": 8, "messages": history, "system": "Be brief."}
+    rendered = client.post("/v1/messages/render", json={**body, "tools": ANTHROPIC_TOOLS})
+    assert rendered.status_code == 200, rendered.text
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        *WEATHER,
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Weather.",
+            "tool_calls": [
+                {
+                    "id": "t1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "P"}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "t1", "content": "sunny"},
+        {"role": "user", "content": [{"type": "text", "text": "Thanks"}]},
+    ]
+    expected = client.post(
+        "/v1/chat/completions/render", json={"messages": chat, "max_tokens": 8, "tools": TOOLS}
+    )
+    assert rendered.json()["token_ids"] == expected.json()["token_ids"]
+    count = anthropic_client(fast_qwen3).messages.count_tokens(
+        model="qwen3-tiny", messages=history, system="Be brief.", tools=ANTHROPIC_TOOLS
+    )
+    assert count.input_tokens == len(expected.json()["token_ids"])
+
+
+@pytest.mark.parametrize(
+    ("messages", "extra", "message_part"),
+    [
+        (
+            [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope"}]}],
+            {},
+            "no earlier assistant message",
+        ),
+        ([{"role": "user", "content": [{"type": "video", "x": 1}]}], {}, "messages"),
+        ([{"role": "user", "content": [{"type": "text"}]}], {}, "text"),
+        ([{"role": "system", "content": "x"}], {}, "role"),
+        (WEATHER, {"max_tokens": 0}, "max_tokens"),
+        (WEATHER, {"tool_choice": {"type": "tool"}}, "tool_choice"),
+        (
+            [{"role": "user", "content": [{"type": "thinking", "thinking": "x"}]}],
+            {},
+            "cannot be in a user message",
+        ),
+    ],
+)
+def test_malformed_requests_are_400(
+    fast_qwen3: FastApp, messages: list[Any], extra: dict[str, Any], message_part: str
+) -> None:
+    calls = len(fast_qwen3.engine.calls)
+    body = {"model": "qwen3-tiny", "max_tokens": 8, "messages": messages, **extra}
+    response = fast_qwen3.client.post("/v1/messages", json=body)
+    assert response.status_code == 400, response.text
+    assert message_part in response.json()["error"]["message"]
+    assert len(fast_qwen3.engine.calls) == calls
+
+
+def test_sdk_sees_errors(fast_qwen3: FastApp) -> None:
+    client = anthropic_client(fast_qwen3)
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="nope", max_tokens=8, messages=WEATHER)
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(
+            base_url="http://testserver",
+            api_key="wrong",
+            http_client=fast_qwen3.client,
+            max_retries=0,
+        ).messages.create(model="qwen3-tiny", max_tokens=8, messages=WEATHER)

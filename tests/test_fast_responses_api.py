@@ -1,0 +1,152 @@
+"""/v1/responses over the fake engine through the real ``openai`` SDK's
+``client.responses.create``, streaming and not: reasoning, message and function_call items from
+Qwen3's parsers, incomplete answers, function call outputs fed back, render, and malformed input
+refused with a 400."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import openai
+import pytest
+
+from tests.chat_fixtures import TOOLS
+from tests.conftest import API_KEY
+from tests.fast_app import FastApp
+from tests.test_fast_anthropic import IM_END, THINK_AND_CALL, script
+
+RESPONSES_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
+WEATHER = "What is the weather in Paris?"
+
+
+def openai_client(fast: FastApp) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url="http://testserver/v1", api_key=API_KEY, http_client=fast.client, max_retries=0
+    )
+
+
+def test_response_with_reasoning_and_function_call(fast_qwen3: FastApp) -> None:
+    ids = script(fast_qwen3, THINK_AND_CALL)
+    client = openai_client(fast_qwen3)
+    response = client.responses.create(
+        model="qwen3-tiny", input=WEATHER, tools=RESPONSES_TOOLS, instructions="Be brief."
+    )
+    assert [item.type for item in response.output] == ["reasoning", "function_call"]
+    assert response.output[0].content[0].text == "\nThe user wants the weather.\n"
+    call = response.output[1]
+    assert call.name == "get_weather"
+    assert json.loads(call.arguments) == {"city": "Paris", "unit": "celsius"}
+    assert response.status == "completed" and response.store is False
+    assert response.usage.output_tokens == len(ids)
+    think_close = fast_qwen3.tokenize("</think>")
+    assert response.usage.output_tokens_details.reasoning_tokens == ids.index(think_close[0]) + 1
+    prompt = fast_qwen3.engine.calls[-1].prompt_token_ids
+    assert response.usage.input_tokens == len(prompt)
+
+
+def test_stream_matches_whole(fast_qwen3: FastApp) -> None:
+    script(fast_qwen3, "<think>\nHmm.\n</think>\n\nIt is sunny.")
+    client = openai_client(fast_qwen3)
+    whole = client.responses.create(model="qwen3-tiny", input=WEATHER)
+    with client.responses.stream(model="qwen3-tiny", input=WEATHER) as stream:
+        events = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert events[:2] == ["response.created", "response.in_progress"]
+    assert events[-1] == "response.completed"
+    assert "response.reasoning_text.delta" in events and "response.output_text.delta" in events
+    # The text after </think> as the chat route gives it (Qwen3's parser keeps the newlines).
+    assert final.output_text == whole.output_text == "\n\nIt is sunny."
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    created = client.responses.create(model="qwen3-tiny", input=WEATHER, stream=True)
+    numbers = [event.sequence_number for event in created]
+    assert numbers == list(range(len(numbers)))
+
+
+def test_function_call_stream_and_incomplete(fast_qwen3: FastApp) -> None:
+    script(fast_qwen3, THINK_AND_CALL)
+    client = openai_client(fast_qwen3)
+    with client.responses.stream(
+        model="qwen3-tiny", input=WEATHER, tools=RESPONSES_TOOLS
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert json.loads(done[0].arguments) == {"city": "Paris", "unit": "celsius"}
+    assert [item.type for item in final.output] == ["reasoning", "function_call"]
+    short = client.responses.create(model="qwen3-tiny", input=WEATHER, max_output_tokens=2)
+    assert short.status == "incomplete"
+    assert short.incomplete_details.reason == "max_output_tokens"
+    with client.responses.stream(model="qwen3-tiny", input=WEATHER, max_output_tokens=2) as cut:
+        assert cut.get_final_response().status == "incomplete"
+
+
+def test_history_renders_as_the_chat_route(fast_qwen3: FastApp) -> None:
+    history: list[Any] = [
+        {"role": "user", "content": WEATHER},
+        {
+            "type": "reasoning",
+            "id": "rs_1",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": "Weather."}],
+        },
+        {
+            "type": "function_call",
+            "call_id": "c1",
+            "name": "get_weather",
+            "arguments": '{"city": "P"}',
+        },
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"role": "developer", "content": [{"type": "input_text", "text": "Thanks"}]},
+    ]
+    body = {"input": history, "tools": RESPONSES_TOOLS, "instructions": "Be brief."}
+    rendered = fast_qwen3.client.post("/v1/responses/render", json=body)
+    assert rendered.status_code == 200, rendered.text
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": WEATHER},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Weather.",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "P"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "system", "content": [{"type": "text", "text": "Thanks"}]},
+    ]
+    expected = fast_qwen3.client.post(
+        "/v1/chat/completions/render", json={"messages": chat, "tools": TOOLS}
+    )
+    assert rendered.json()["token_ids"] == expected.json()["token_ids"]
+
+
+@pytest.mark.parametrize(
+    ("body", "message_part"),
+    [
+        (
+            {"input": [{"type": "function_call_output", "call_id": "x", "output": "1"}]},
+            "no earlier function_call",
+        ),
+        ({"input": [{"type": "web_search_call", "id": "x"}]}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "input"),
+        ({"input": WEATHER, "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": WEATHER, "tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": []}, "input"),
+        ({"input": WEATHER, "text": {"format": {"type": "json_schema"}}}, "text.format"),
+    ],
+)
+def test_malformed_requests_are_400(
+    fast_qwen3: FastApp, body: dict[str, Any], message_part: str
+) -> None:
+    calls = len(fast_qwen3.engine.calls)
+    response = fast_qwen3.client.post("/v1/responses", json=body)
+    assert response.status_code == 400, response.text
+    assert message_part in response.json()["error"]["message"]
+    assert len(fast_qwen3.engine.calls) == calls
+    assert IM_END  # the module's scripts end with Qwen3's end of turn

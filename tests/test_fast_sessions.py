@@ -1,0 +1,275 @@
+"""Sessions over the fake engine: turns of the three dialects under one ``X-Session-ID``
+extend each other's exact ids, a rewritten history starts a new segment with its reason, the
+trajectory's loss mask covers exactly the sampled ids, bad input leaves a session as it was,
+sessions stay apart (16 at once), the routes need the API key, and the store survives a
+reopen."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+from tests.conftest import API_KEY, QWEN3_SERVER_ARGS
+from tests.fake_engine import Gate, Step
+from tests.fast_app import FastApp, serve_fast
+from tests.test_fast_anthropic import ANTHROPIC_TOOLS, IM_END, THINK_AND_CALL
+from tokenwire.pipeline.session_store import Head, SessionStore, Turn
+
+ANSWER = "<think>\nEasy.\n</think>\n\nIt is sunny in Paris."
+
+
+@pytest.fixture(scope="module")
+def fast(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastApp]:
+    store = tmp_path_factory.mktemp("sessions") / "sessions.sqlite3"
+    yield from serve_fast(
+        tmp_path_factory, [*QWEN3_SERVER_ARGS, "--session-store", str(store)], API_KEY
+    )
+
+
+@pytest.fixture
+def app(fast: FastApp) -> Iterator[FastApp]:
+    call = [*fast.tokenize(THINK_AND_CALL), IM_END]
+    answer = [*fast.tokenize(ANSWER), IM_END]
+    # A tool call while the prompt has no tool result yet, then a text answer.
+    fast.engine.script = lambda _, prompt, __: answer if 151665 in prompt else call
+    yield fast
+    fast.settle()
+
+
+def claude(app: FastApp, session: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(
+        base_url="http://testserver",
+        api_key=API_KEY,
+        http_client=app.client,
+        max_retries=0,
+        default_headers={"X-Session-ID": session},
+    )
+
+
+def trajectory(app: FastApp, session: str) -> dict[str, Any]:
+    response = app.client.get(f"/v1/sessions/{session}")
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def assert_exact(result: dict[str, Any]) -> None:
+    """Each turn's prompt starts with the previous turn's of its segment + its sampled ids,
+    and each segment's mask is 1 exactly on its turns' sampled ids."""
+    turns = result["turns"]
+    for segment in result["segments"]:
+        ids, mask = segment["token_ids"], segment["loss_mask"]
+        assert len(ids) == len(mask)
+        expected = [0] * len(ids)
+        previous: list[int] | None = None
+        for index in segment["turns"]:
+            turn = turns[index]
+            prompt, sampled = turn["prompt_ids"], turn["sampled_ids"]
+            if previous is not None:
+                assert prompt[: len(previous)] == previous
+            previous = [*prompt, *sampled]
+            assert ids[: len(previous)] == previous
+            expected[len(prompt) : len(previous)] = [1] * len(sampled)
+            assert len(turn["logprobs"]) == len(sampled)
+        assert mask == expected
+
+
+def anthropic_episode(client: anthropic.Anthropic, *, stream: bool) -> list[Any]:
+    """Three turns: a tool call, its result answered, a follow-up question."""
+    messages: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
+    for turn in range(3):
+        kwargs = {"model": "qwen3-tiny", "max_tokens": 64, "messages": messages}
+        if stream:
+            with client.messages.stream(**kwargs, tools=ANTHROPIC_TOOLS) as events:
+                reply = events.get_final_message()
+        else:
+            reply = client.messages.create(**kwargs, tools=ANTHROPIC_TOOLS)
+        content = [block.model_dump(exclude_none=True) for block in reply.content]
+        messages = [*messages, {"role": "assistant", "content": content}]
+        calls = [block for block in reply.content if block.type == "tool_use"]
+        if calls:
+            result = {"type": "tool_result", "tool_use_id": calls[0].id, "content": "sunny"}
+            messages.append({"role": "user", "content": [result]})
+        else:
+            messages.append({"role": "user", "content": f"And tomorrow ({turn})?"})
+    return messages
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_episode_extends_exactly(app: FastApp, stream: bool) -> None:
+    session = f"claude-{stream}"
+    anthropic_episode(claude(app, session), stream=stream)
+    result = trajectory(app, session)
+    assert len(result["turns"]) == 3
+    assert [s["segment"] for s in result["segments"]] == [0]
+    assert result["segments"][0]["reason"] is None
+    assert_exact(result)
+    engine_prompts = [call.prompt_token_ids for call in app.engine.calls[-3:]]
+    assert [turn["prompt_ids"] for turn in result["turns"]] == engine_prompts
+    assert result["turns"][0]["finish_reason"] == "stop"
+    assert result["turns"][0]["weight_versions"][0]["start"] == 0
+    assert result["turns"][0]["dialect"] == "anthropic"
+
+
+def test_compacted_history_starts_a_segment(app: FastApp) -> None:
+    client = claude(app, "compact")
+    messages = anthropic_episode(client, stream=False)
+    # The harness compacts: a summary replaces the history.
+    client.messages.create(
+        model="qwen3-tiny",
+        max_tokens=64,
+        messages=[{"role": "user", "content": "Summary: it was sunny."}, messages[-1]],
+        tools=ANTHROPIC_TOOLS,
+    )
+    result = trajectory(app, "compact")
+    assert [s["segment"] for s in result["segments"]] == [0, 1]
+    assert result["segments"][1]["reason"].startswith("history rewritten")
+    assert result["segments"][1]["turns"] == [3]
+    assert_exact(result)
+
+
+def test_responses_and_chat_sessions(app: FastApp) -> None:
+    client = openai.OpenAI(
+        base_url="http://testserver/v1",
+        api_key=API_KEY,
+        http_client=app.client,
+        max_retries=0,
+        default_headers={"X-Session-ID": "codex"},
+    )
+    tools = [{"type": "function", **t["function"]} for t in _chat_tools(ANTHROPIC_TOOLS)]
+    items: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
+    first = client.responses.create(model="qwen3-tiny", input=items, tools=tools)
+    items += [item.model_dump(exclude_none=True) for item in first.output]
+    call = next(item for item in first.output if item.type == "function_call")
+    items.append({"type": "function_call_output", "call_id": call.call_id, "output": "sunny"})
+    with client.responses.stream(model="qwen3-tiny", input=items, tools=tools) as stream:
+        stream.get_final_response()
+    result = trajectory(app, "codex")
+    assert [t["dialect"] for t in result["turns"]] == ["responses", "responses"]
+    assert len(result["segments"]) == 1
+    assert_exact(result)
+    chat = [{"role": "user", "content": "Weather in Paris?"}]
+    reply = client.chat.completions.create(
+        model="qwen3-tiny", messages=chat, tools=_chat_tools(ANTHROPIC_TOOLS)
+    )
+    assert reply.choices[0].message.tool_calls
+    assert app.client.get("/v1/sessions/codex").json()["turns"][-1]["dialect"] == "chat"
+
+
+def _chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": t["name"],
+                "description": t["description"],
+                "parameters": t["input_schema"],
+            },
+        }
+        for t in tools
+    ]
+
+
+def test_bad_input_leaves_the_session(app: FastApp) -> None:
+    client = claude(app, "bad")
+    anthropic_episode(client, stream=False)
+    before = trajectory(app, "bad")
+    calls = len(app.engine.calls)
+    headers = {"X-Session-ID": "bad"}
+    bodies = [
+        {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x"}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "nope"}]}]},
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1},
+    ]
+    for body in bodies:
+        response = app.client.post("/v1/messages", json={"max_tokens": 8, **body}, headers=headers)
+        assert response.status_code == 400, response.text
+    chat = {"messages": [{"role": "user", "content": "hi"}], "n": 2}
+    response = app.client.post("/v1/chat/completions", json=chat, headers=headers)
+    assert response.status_code == 400 and "n must be 1" in response.text
+    long_id = {"X-Session-ID": "x" * 300}
+    response = app.client.post("/v1/chat/completions", json={**chat, "n": 1}, headers=long_id)
+    assert response.status_code == 400 and "X-Session-ID" in response.text
+    assert trajectory(app, "bad") == before
+    assert len(app.engine.calls) == calls
+
+
+def test_routes_list_delete_404_and_auth(app: FastApp) -> None:
+    anthropic_episode(claude(app, "listed"), stream=False)
+    listed = app.client.get("/v1/sessions").json()
+    entry = next(s for s in listed["data"] if s["id"] == "listed")
+    assert entry["turns"] == 3 and entry["bytes"] > 0
+    no_key = {"Authorization": ""}
+    assert app.client.get("/v1/sessions/listed", headers=no_key).status_code == 401
+    assert app.client.get("/v1/sessions", headers=no_key).status_code == 401
+    assert app.client.delete("/v1/sessions/listed", headers=no_key).status_code == 401
+    assert app.client.get("/v1/sessions/nope").status_code == 404
+    assert app.client.delete("/v1/sessions/listed").json() == {"id": "listed", "deleted": True}
+    assert app.client.get("/v1/sessions/listed").status_code == 404
+    assert app.client.delete("/v1/sessions/listed").status_code == 404
+
+
+def test_sixteen_sessions_at_once_stay_apart(app: FastApp) -> None:
+    names = [f"parallel-{i}" for i in range(16)]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda name: anthropic_episode(claude(app, name), stream=True), names))
+    seen: set[tuple[int, ...]] = set()
+    for name in names:
+        result = trajectory(app, name)
+        assert len(result["turns"]) == 3 and len(result["segments"]) == 1
+        assert_exact(result)
+        seen.add(tuple(result["segments"][0]["token_ids"]))
+    assert len(seen) == 1  # the same scripted episode: the same ids, in each its own
+
+
+def test_store_survives_reopen_and_is_bounded(tmp_path: Path) -> None:
+    path = str(tmp_path / "s.sqlite3")
+
+    async def record(store: SessionStore, session: str, turns: int) -> None:
+        for turn in range(turns):
+            data = {"prompt_ids": [1] * 100, "sampled_ids": [2], "logprobs": [0.0]}
+            head = Head(turn + 1, 0, [1, 2], [], "")
+            await store.append(session, Turn(0, None, data), head)
+
+    store = SessionStore(path, max_bytes=10**6, ttl_s=3600)
+    asyncio.run(record(store, "a", 3))
+    store.close()
+    again = SessionStore(path, max_bytes=1200, ttl_s=3600)
+    turns = asyncio.run(again.turns("a"))
+    assert turns is not None and len(turns) == 3
+    asyncio.run(record(again, "b", 3))  # over the budget: the older session goes
+    assert asyncio.run(again.turns("a")) is None
+    assert [s["id"] for s in asyncio.run(again.sessions())] == ["b"]
+    again.close()
+
+
+def test_two_requests_of_one_session_at_once(app: FastApp) -> None:
+    """The turn recorded second did not extend the first: it starts a segment of its own."""
+    client = claude(app, "racing")
+    anthropic_episode(client, stream=False)
+    history = trajectory(app, "racing")
+    gate = Gate()
+    answer = [*app.tokenize("Fine."), IM_END]
+    held = [Step(answer[0], gate=gate), *answer[1:]]
+    scripts = iter([held, answer])
+    app.engine.script = lambda *_: next(scripts)
+    messages: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
+    body = {"model": "qwen3-tiny", "max_tokens": 8, "messages": messages}
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(client.messages.create, **body)
+        gate.wait_reached()
+        client.messages.create(**body)  # answered while the first one waits
+        gate.open()
+        slow.result()
+    result = trajectory(app, "racing")
+    assert len(result["turns"]) == len(history["turns"]) + 2
+    reasons = [segment["reason"] for segment in result["segments"][-2:]]
+    assert reasons[0] == "the tools or chat template options changed"  # no tools this time
+    assert reasons[1].startswith("another request of this session")
+    assert_exact(result)

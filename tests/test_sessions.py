@@ -1,0 +1,233 @@
+"""Sessions on the real qwen3-tiny server (qwen3 reasoning and hermes tool-call parsers), driven
+by the real ``anthropic`` and ``openai`` SDKs with an ``X-Session-ID`` header, streaming and
+not: 30 scripted episodes of 4 turns each, 16 at a time. Every turn's recorded prompt starts with
+the previous turn's prompt + sampled ids, the loss mask covers exactly the sampled ids, and the
+trajectory's logprobs equal a transformers forward of each segment's ids. A compacted history
+gives a second exact segment with its reason; a SIGTERM mid-episode loses no recorded turn."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.chat_fixtures import TOOLS
+from tests.conftest import API_KEY, QWEN3_SERVER_ARGS, Server, engine_flags
+from tests.test_fast_sessions import assert_exact
+
+pytestmark = pytest.mark.model
+
+EPISODES = 30
+TURNS = 4
+LOGPROB_TOLERANCE = 1e-4
+ANTHROPIC_TOOLS = [
+    {
+        "name": t["function"]["name"],
+        "description": t["function"]["description"],
+        "input_schema": t["function"]["parameters"],
+    }
+    for t in TOOLS
+]
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+def start(store: Path, log: Path) -> Server:
+    args = [*QWEN3_SERVER_ARGS, "--session-store", str(store)]
+    server = Server([*args, *engine_flags("hf", "qwen3-tiny")], log, api_key=API_KEY)
+    server.wait_ready()
+    return server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    folder = tmp_path_factory.mktemp("sessions")
+    running = start(folder / "sessions.sqlite3", folder / "server.log")
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def model(qwen3_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(qwen3_dir), dtype=torch.float32).eval()
+
+
+class Harness:
+    """A scripted agent harness: each turn sends the whole history back as its SDK got it."""
+
+    def __init__(self, server: Server, session: str, dialect: str, stream: bool) -> None:
+        self.dialect, self.stream = dialect, stream
+        headers = {"X-Session-ID": session}
+        if dialect == "anthropic":
+            self.claude = anthropic.Anthropic(
+                base_url=server.url, api_key=API_KEY, default_headers=headers, max_retries=0
+            )
+        else:
+            self.openai = openai.OpenAI(
+                base_url=f"{server.url}/v1",
+                api_key=API_KEY,
+                default_headers=headers,
+                max_retries=0,
+            )
+        self.history: list[Any] = []
+
+    def turn(self, text: str) -> None:
+        """Send ``text`` (as a tool result when the last reply called a tool) and keep the reply."""
+        if self.dialect == "anthropic":
+            self._anthropic(text)
+        else:
+            self._responses(text)
+
+    def _anthropic(self, text: str) -> None:
+        last = self.history[-1]["content"] if self.history else []
+        calls = [block["id"] for block in last if block.get("type") == "tool_use"]
+        if calls:
+            content: Any = [{"type": "tool_result", "tool_use_id": calls[0], "content": text}]
+        else:
+            content = text
+        self.history.append({"role": "user", "content": content})
+        kwargs = {
+            "model": "qwen3-tiny",
+            "max_tokens": 12,
+            "messages": self.history,
+            "tools": ANTHROPIC_TOOLS,
+        }
+        if self.stream:
+            with self.claude.messages.stream(**kwargs) as events:
+                reply = events.get_final_message()
+        else:
+            reply = self.claude.messages.create(**kwargs)
+        blocks = [block.model_dump(exclude_none=True) for block in reply.content]
+        self.history.append({"role": "assistant", "content": blocks})
+
+    def _responses(self, text: str) -> None:
+        calls = [item["call_id"] for item in self.history if item.get("type") == "function_call"]
+        answered = {i["call_id"] for i in self.history if i.get("type") == "function_call_output"}
+        pending = [call for call in calls if call not in answered]
+        if pending:
+            self.history.append({"type": "function_call_output", "call_id": pending[0]})
+            self.history[-1]["output"] = text
+        else:
+            self.history.append({"role": "user", "content": text})
+        kwargs = {
+            "model": "qwen3-tiny",
+            "input": self.history,
+            "tools": RESPONSES_TOOLS,
+            "max_output_tokens": 12,
+        }
+        if self.stream:
+            with self.openai.responses.stream(**kwargs) as events:
+                reply = events.get_final_response()
+        else:
+            reply = self.openai.responses.create(**kwargs)
+        self.history.extend(item.model_dump(exclude_none=True) for item in reply.output)
+
+
+def trajectory(server: Server, session: str) -> dict[str, Any]:
+    with server.client() as client:
+        response = client.get(f"/v1/sessions/{session}")
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def assert_logprobs_match_forward(model: Any, result: dict[str, Any]) -> float:
+    """Each segment's masked logprobs against one forward of its ids; the largest difference."""
+    worst = 0.0
+    for segment in result["segments"]:
+        ids = torch.tensor([segment["token_ids"]])
+        with torch.no_grad():
+            logits = model(ids).logits[0].float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        positions = [p for p, bit in enumerate(segment["loss_mask"]) if bit]
+        expected = [logprobs[p - 1, ids[0, p]].item() for p in positions]
+        recorded = [lp for i in segment["turns"] for lp in result["turns"][i]["logprobs"]]
+        assert len(recorded) == len(expected)
+        difference = max((abs(a - b) for a, b in zip(recorded, expected, strict=True)), default=0)
+        worst = max(worst, difference)
+    assert worst <= LOGPROB_TOLERANCE
+    return worst
+
+
+def test_thirty_episodes_are_exact(server: Server, model: Any) -> None:
+    def episode(index: int) -> str:
+        session = f"episode-{index}"
+        dialect = ("anthropic", "responses")[index % 2]
+        harness = Harness(server, session, dialect, stream=index // 2 % 2 == 1)
+        for turn in range(TURNS):
+            harness.turn(f"Step {turn}: what is the weather in city {index}?")
+        return session
+
+    with ThreadPoolExecutor(16) as pool:  # 16 sessions at once
+        sessions = list(pool.map(episode, range(EPISODES)))
+    worst = 0.0
+    seen_prompts: set[tuple[int, ...]] = set()
+    for session in sessions:
+        result = trajectory(server, session)
+        assert len(result["turns"]) == TURNS, session
+        assert len(result["segments"]) == 1, (session, result["segments"][1:])
+        assert_exact(result)
+        for turn in result["turns"]:
+            spans = turn["weight_versions"]
+            assert spans[0]["start"] == 0 and spans[-1]["end"] == len(turn["sampled_ids"])
+        first = tuple(result["turns"][0]["prompt_ids"])
+        assert first not in seen_prompts  # each episode's own city: no turn of another
+        seen_prompts.add(first)
+        worst = max(worst, assert_logprobs_match_forward(model, result))
+    print(f"{EPISODES} episodes x {TURNS} turns: 0 breaks, worst logprob difference {worst:.2e}")
+
+
+def test_compaction_gives_two_exact_segments(server: Server, model: Any) -> None:
+    harness = Harness(server, "compacted", "anthropic", stream=False)
+    harness.turn("What is the weather in Paris?")
+    harness.turn("And in Lyon?")
+    # The harness compacts its history into one summary message.
+    harness.history = [{"role": "user", "content": "Summary: we talked about the weather."}]
+    harness.history.append({"role": "assistant", "content": [{"type": "text", "text": "Yes"}]})
+    harness.turn("And in Nice?")
+    harness.turn("And in Lille?")
+    result = trajectory(server, "compacted")
+    assert [s["turns"] for s in result["segments"]] == [[0, 1], [2, 3]]
+    assert result["segments"][1]["reason"].startswith("history rewritten")
+    assert_exact(result)
+    assert_logprobs_match_forward(model, result)
+
+
+def test_sigterm_mid_episode_loses_no_turn(tmp_path: Path) -> None:
+    store = tmp_path / "sessions.sqlite3"
+    first = start(store, tmp_path / "first.log")
+    try:
+        harness = Harness(first, "survivor", "responses", stream=True)
+        harness.turn("What is the weather in Paris?")
+        harness.turn("And in Lyon?")
+        before = trajectory(first, "survivor")
+    finally:
+        first.stop()  # SIGTERM
+    second = start(store, tmp_path / "second.log")
+    try:
+        assert trajectory(second, "survivor") == before
+        harness.openai = openai.OpenAI(
+            base_url=f"{second.url}/v1",
+            api_key=API_KEY,
+            default_headers={"X-Session-ID": "survivor"},
+            max_retries=0,
+        )
+        harness.turn("And in Nice?")
+        result = trajectory(second, "survivor")
+        assert len(result["turns"]) == 3 and len(result["segments"]) == 1
+        assert_exact(result)
+        with httpx.Client(base_url=second.url) as client:
+            assert client.get("/v1/sessions/survivor").status_code == 401
+            listed = client.get("/v1/sessions", headers={"Authorization": f"Bearer {API_KEY}"})
+        assert [s["id"] for s in listed.json()["data"]] == ["survivor"]
+        assert json.dumps(result)  # the trajectory is plain JSON
+    finally:
+        second.stop()
