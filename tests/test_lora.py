@@ -148,7 +148,7 @@ def lora_server(tmp_path_factory: pytest.TempPathFactory, adapters: list[Path]) 
     args = [
         *("--enable-rl-control", "--enable-lora", "--max-loras", "5", "--max-lora-rank", "16"),
         *("--lora-modules", f"a0={adapters[0]}", "--allowed-lora-paths", str(allowed)),
-        *("--max-logprobs", "-1"),
+        *("--max-logprobs", "-1", "--max-num-batched-tokens", "64"),
     ]
     yield from _start(tmp_path_factory, "lora", args, api_key=API_KEY)
 
@@ -210,6 +210,20 @@ def test_adapters_served_in_one_batch_equal_peft(lora_server: Server, adapters: 
     cards = {card["id"]: card for card in listed}
     assert cards["a2"]["parent"] == "smollm2-135m-instruct"
     assert cards["a2"]["root"] == str(adapters[2])
+
+
+def test_chunked_prefill_runs_under_its_adapter(lora_server: Server, adapters: list[Path]) -> None:
+    """A prompt longer than one prefill forward (64 tokens here) is chunked: every chunk runs
+    through the request's adapter, beside a base-model stream."""
+    prompt = [(7 * t) % 3000 + 100 for t in range(150)]
+    with ThreadPoolExecutor(2) as pool:
+        base = pool.submit(_generate, lora_server, None, PROMPT, max_tokens=30)
+        answer = _generate(lora_server, "a0", prompt)
+        base.result()
+    choice = answer["choices"][0]
+    served = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+    expected = _trainer_logprobs(adapters[0], prompt, choice["token_ids"])
+    assert max(abs(a - b) for a, b in zip(served, expected, strict=True)) <= 1e-4
 
 
 def test_prefix_cache_never_crosses_adapters(lora_server: Server) -> None:

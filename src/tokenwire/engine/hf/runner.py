@@ -277,7 +277,6 @@ class ModelRunner:
         )
         wants_prompt = group[0].wants_prompt_logprobs
         self._row_padding.active = group[0].seeded  # a seeded request is prefilled alone
-        self._select_adapters(group)
         last_logits, hidden = self._prefill_forward(
             group, ids, mask, positions, cache, wants_prompt
         )
@@ -355,6 +354,7 @@ class ModelRunner:
         prefilled alone (see the scheduler's ``_next_group``): a vision tower forward is costly,
         and a shared group would stall text prompts behind it.
         """
+        self._select_adapters(group)
         inputs = {
             "input_ids": ids,
             "attention_mask": mask,
