@@ -229,6 +229,8 @@ class FakeEngine:
         sampling: SamplingParams,
         media: MultiModalInput | None = None,
         cache_salt: str | None = None,
+        *,
+        adapter: str | None = None,  # never set: the fake engine serves no LoRA
     ) -> AsyncIterator[EngineOutput]:
         """Yield the script's outputs until the stop rule ends it; closing early aborts."""
         prompt = list(prompt_token_ids)

@@ -149,6 +149,20 @@ class Settings:
     enable_rl_control: bool = flag(
         False, switch=True, help="serve pause/resume, weight reload and weight version routes"
     )
+    enable_lora: bool = flag(False, switch=True, help="serve LoRA adapters (PEFT format)")
+    max_loras: int = flag(
+        1,
+        type=int,
+        help="LoRA adapter versions resident at once (loaded ones, and replaced ones whose "
+        "requests still run)",
+    )
+    max_lora_rank: int = flag(16, type=int)
+    lora_modules: tuple[str, ...] = flag(
+        (), many=True, help="adapters loaded at start-up, as name=path"
+    )
+    allowed_lora_paths: tuple[str, ...] = flag(
+        (), many=True, help="directories adapters may load from (default: any the server reads)"
+    )
     allow_nonfinite_weights: bool = flag(
         False,
         switch=True,
@@ -294,6 +308,13 @@ def settings_from_args(args: argparse.Namespace, engine_args: Sequence[str] = ()
         raise ValueError("--prefix-cache-bytes must be >= 0 (0 turns the prefix cache off)")
     if values.get("max_logprobs", 0) < -1:
         raise ValueError("--max-logprobs must be >= -1 (-1: the vocabulary size)")
+    if values.get("enable_lora") and (
+        values.get("max_loras", 1) < 1 or values.get("max_lora_rank", 1) < 1
+    ):
+        raise ValueError("--max-loras and --max-lora-rank must be >= 1")
+    for module in values.get("lora_modules") or ():
+        if "=" not in module:
+            raise ValueError(f"--lora-modules takes name=path, got {module!r}")
     if values.get("max_num_batched_tokens") is not None and values["max_num_batched_tokens"] < 1:
         raise ValueError("--max-num-batched-tokens must be >= 1")
     if values.get("engine_threads") is not None and values["engine_threads"] < 1:

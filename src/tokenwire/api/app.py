@@ -9,7 +9,9 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from fastapi import FastAPI
 
@@ -27,6 +29,7 @@ from tokenwire.api.routes import (
     extend,
     generate,
     info,
+    lora,
     openai,
     render,
     responses_api,
@@ -39,7 +42,8 @@ from tokenwire.engine.factory import create_engine
 from tokenwire.media.prompt import IMAGE_PAD
 from tokenwire.media.service import MediaService
 from tokenwire.model_source import resolve_model_dir
-from tokenwire.pipeline.context import ModelRuntime, Pipeline, ServingConfig
+from tokenwire.pipeline.context import Adapters, ModelRuntime, Pipeline, ServingConfig
+from tokenwire.pipeline.lora import load_adapter
 from tokenwire.pipeline.session_store import SessionStore
 from tokenwire.settings import Settings
 from tokenwire.text.chat_template import (
@@ -60,12 +64,15 @@ GC_THRESHOLDS = (500_000, 20, 20)
 def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     """The app for ``settings``; ``engine`` (unstarted) replaces the one ``--engine`` names, so
     tests can run everything above the engine on a scripted one."""
+    adapters = Adapters(tuple(Path(os.path.realpath(p)) for p in settings.allowed_lora_paths))
     session_store = SessionStore(
         settings.session_store_path,
         max_bytes=settings.session_store_bytes,
         ttl_s=settings.session_ttl_s,
     )
-    pipeline = Pipeline(config=ServingConfig.from_settings(settings), sessions=session_store)
+    pipeline = Pipeline(
+        config=ServingConfig.from_settings(settings), adapters=adapters, sessions=session_store
+    )
     metrics = Metrics()
 
     @contextlib.asynccontextmanager
@@ -110,6 +117,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     ]
     if settings.enable_rl_control:
         routers.append(control.router)
+        if settings.enable_lora:
+            routers.append(lora.router)
     for router in routers:
         app.include_router(router)
     if settings.api_key and not settings.control_api_key:
@@ -165,6 +174,8 @@ async def _load_runtime(
                 extra_args=settings.engine_args,
                 prefix_cache_bytes=settings.prefix_cache_bytes,
                 max_logprobs=settings.max_logprobs,
+                max_loras=settings.max_loras if settings.enable_lora else 0,
+                max_lora_rank=settings.max_lora_rank,
                 max_num_batched_tokens=settings.max_num_batched_tokens,
                 engine_threads=settings.engine_threads,
                 allow_nonfinite_weights=settings.allow_nonfinite_weights,
@@ -190,6 +201,16 @@ async def _load_runtime(
     )
     _settle_heap()
     pipeline.runtime = runtime
+    try:
+        for module in settings.lora_modules:  # as vLLM: a static adapter that fails stops it
+            name, _, path = module.partition("=")
+            await load_adapter(pipeline, name, path)
+    except Exception as exc:
+        pipeline.runtime = None
+        pipeline.load_error = f"--lora-modules: {getattr(exc, 'message', exc)}"
+        logger.error(pipeline.load_error)
+        await engine.shutdown()
+        return
     logger.info(
         "model %s ready from %s (max_model_len=%d)",
         pipeline.config.served_name,

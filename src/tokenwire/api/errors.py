@@ -18,6 +18,7 @@ from tokenwire.media.errors import MediaError
 from tokenwire.pipeline.errors import (
     ClientGone,
     InvalidRequest,
+    NotFound,
     NotReady,
     PipelineError,
     UnknownModel,
@@ -55,6 +56,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 PIPELINE_STATUS: dict[type[PipelineError], int] = {
     InvalidRequest: 400,
     UnknownModel: 404,
+    NotFound: 404,
     UnknownSession: 404,
     ClientGone: 499,
     NotReady: 503,

@@ -26,7 +26,7 @@ DEFAULT_WEIGHT_VERSION = "default"
 GREEDY_TEMPERATURE = 1e-5
 # Request features an engine may lack; the pipeline refuses a request that needs one its engine
 # does not list in ``Engine.features`` (a 400 naming the field) before the engine sees it.
-EngineFeature = Literal["prompt_token_id_logprobs", "logprob_token_ids", "sampling_mask"]
+EngineFeature = Literal["prompt_token_id_logprobs", "logprob_token_ids", "sampling_mask", "lora"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,9 +192,14 @@ class Engine(Protocol):
         sampling: SamplingParams,
         media: MultiModalInput | None = None,
         cache_salt: str | None = None,
+        *,
+        adapter: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Yield outputs until one carries a finish_reason. Closing the iterator aborts.
-        Requests with different ``cache_salt`` never share prefix-cache blocks (vLLM's)."""
+
+        Requests with different ``cache_salt`` never share prefix-cache blocks (vLLM's).
+        ``adapter`` names a loaded LoRA adapter (None: the base model); the request runs under
+        the version of it loaded when the request arrived, to its end."""
         ...
 
     async def abort(self, request_id: str) -> bool:
@@ -259,4 +264,16 @@ class Engine(Protocol):
 
     async def copy_weights(self, tensors: dict[str, Any]) -> None:
         """Copy some of the model's weights (checked first) in between steps."""
+        ...
+
+    # -- LoRA adapters (engines whose ``features`` hold "lora") -------------------------------
+
+    async def load_adapter(self, name: str, path: Path, version: str) -> None:
+        """Load (or, when ``name`` is loaded, replace) a PEFT adapter; ``WeightsError`` if it does
+        not fit and nothing changes. Running requests of a replaced version finish under it;
+        tokens of requests that arrive afterwards carry ``version``."""
+        ...
+
+    async def unload_adapter(self, name: str) -> None:
+        """Forget ``name`` (its running requests finish under it)."""
         ...

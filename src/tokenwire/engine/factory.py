@@ -24,6 +24,8 @@ def create_engine(
     extra_args: Sequence[str] = (),
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     max_logprobs: int = 20,
+    max_loras: int = 0,
+    max_lora_rank: int = 16,
     max_num_batched_tokens: int | None = None,
     engine_threads: int | None = None,
     allow_nonfinite_weights: bool = False,
@@ -35,6 +37,7 @@ def create_engine(
     ``max_logprobs`` is ``--max-logprobs``, which vLLM's engine checks again itself (the hf
     engine serves any count the pipeline admits). ``allow_nonfinite_weights`` lets the hf
     engine load a checkpoint holding NaN or infinity (vLLM's loader reads its own).
+    ``max_loras`` > 0 serves LoRA adapters (vLLM's ``--max-loras``; 0: LoRA off).
     ``max_num_batched_tokens`` is ``--max-num-batched-tokens`` (None: the engine's default);
     ``engine_threads`` the hf engine's torch threads (None: ``default_engine_threads()``).
     """
@@ -50,6 +53,8 @@ def create_engine(
             dtype=dtype,
             extra_args=extra_args,
             max_logprobs=max_logprobs,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
             max_num_batched_tokens=max_num_batched_tokens,
         )
     if extra_args:
@@ -63,6 +68,8 @@ def create_engine(
         device=device,
         dtype=dtype,
         prefix_cache_bytes=prefix_cache_bytes,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
         max_num_batched_tokens=max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
         threads=engine_threads,
         allow_nonfinite_weights=allow_nonfinite_weights,

@@ -47,6 +47,7 @@ class ChoiceRequest:
     media: MultiModalInput | None = None
     prompt_only: bool = False  # the output is dropped: the prompt's logprobs are the answer
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
+    adapter: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 @dataclass(slots=True)

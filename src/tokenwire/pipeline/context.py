@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tokenwire.engine.base import Engine, PauseMode
 from tokenwire.media.service import MediaService
@@ -40,6 +41,8 @@ class ServingConfig:
     incremental_streaming_output: bool
     # --weight-transfer-config; None: vLLM's weight-transfer routes are refused.
     weight_transfer: WeightTransferConfig | None = None
+    max_loras: int = 0  # LoRA adapter versions resident at once; 0: LoRA off
+    max_lora_rank: int = 0
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ServingConfig:
@@ -61,6 +64,8 @@ class ServingConfig:
             max_held_requests=settings.max_held_requests,
             incremental_streaming_output=settings.incremental_streaming_output,
             weight_transfer=settings.weight_transfer_config,
+            max_loras=settings.max_loras if settings.enable_lora else 0,
+            max_lora_rank=settings.max_lora_rank,
         )
 
     @property
@@ -135,6 +140,25 @@ class ControlState:
         return bool(self.asleep)
 
 
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    """A loaded LoRA adapter as clients see it (``pipeline.lora`` loads and unloads them)."""
+
+    name: str
+    path: str
+    version: str
+
+
+@dataclass(slots=True)
+class Adapters:
+    """The loaded LoRA adapters by name; ``lock`` orders loads and unloads."""
+
+    allowed_roots: tuple[Path, ...] = ()  # empty: any path the server can read
+    loaded: dict[str, Adapter] = field(default_factory=dict)
+    loads: int = 0  # numbers the versions of loads that name none
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
 @dataclass(slots=True)
 class Pipeline:
     """The server's state as the pipeline sees it; one per app."""
@@ -145,6 +169,7 @@ class Pipeline:
     load_error: str | None = None
     jobs: JobRegistry = field(default_factory=JobRegistry)
     control: ControlState = field(default_factory=ControlState)
+    adapters: Adapters = field(default_factory=Adapters)
     # The recorded sessions (X-Session-ID); the app opens it at start.
     sessions: SessionStore | None = None
 
@@ -159,11 +184,16 @@ class Pipeline:
         self.control.continued.set()  # held requests look again, and find the server closing
 
     def ready(self, model: str | None = None) -> ModelRuntime:
-        """The loaded model for a request naming ``model`` (missing or empty: the served one)."""
+        """The loaded model for a request naming ``model`` (missing or empty: the served one;
+        a LoRA adapter's name: the model it adapts)."""
         if self.runtime is None or self.shutting_down:
             raise NotReady(
                 "The server is shutting down" if self.shutting_down else "The model is loading"
             )
-        if model and model not in self.config.model_names:
+        if model and model not in self.config.model_names and model not in self.adapters.loaded:
             raise UnknownModel(model)
         return self.runtime
+
+    def adapter_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model)."""
+        return model if model and model in self.adapters.loaded else None

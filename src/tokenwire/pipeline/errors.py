@@ -23,6 +23,10 @@ class UnknownModel(PipelineError):
         super().__init__(f"The model `{name}` does not exist.", "model")
 
 
+class NotFound(PipelineError):
+    """The request names something (not a model) this server does not have (HTTP 404)."""
+
+
 class UnknownSession(PipelineError):
     """No session has this id, or it expired (HTTP 404)."""
 

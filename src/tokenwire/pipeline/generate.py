@@ -33,11 +33,13 @@ def start_job(
     prompts: Sequence[ValidPrompt],
     *,
     parsing: Parsing | None = None,
+    adapter: str | None = None,
 ) -> GenerationJob:
     """Start the choices of checked prompts, registered so they can be aborted by id.
 
     ``parsing``: how the route reads the choices' text (None: it reads none; stop strings are
-    still found, by a decoder made for them alone).
+    still found, by a decoder made for them alone). ``adapter``: the LoRA adapter the request's
+    ``model`` names (``Pipeline.adapter_of``), None for the base model.
     """
     admit(pipeline)
     choices: list[Choice] = []
@@ -52,6 +54,7 @@ def start_job(
                 prompt.media,
                 prompt.prompt_only,
                 prompt.cache_salt,
+                adapter,
             )
             decoder = None
             if parsing is not None or options.stop_strings:
@@ -271,5 +274,12 @@ async def start_generation(
         parsing = PLAIN
     elif body.output_mode == "derender":
         parsing = await chat_parsing(pipeline, runtime, body.parse_context, prompt_ids)
-    job = start_job(pipeline, runtime, request_id, [checked], parsing=parsing)
+    job = start_job(
+        pipeline,
+        runtime,
+        request_id,
+        [checked],
+        parsing=parsing,
+        adapter=pipeline.adapter_of(body.model),
+    )
     return Generation(pipeline, job, body)

@@ -85,6 +85,7 @@ class GenerationJob:
             request.sampling,
             request.media,
             cache_salt=request.cache_salt,
+            adapter=request.adapter,
         )
         try:
             async with contextlib.aclosing(stream):

@@ -342,7 +342,14 @@ async def start_chat_completion(
             pipeline, runtime, body, pipeline.session_store(), session_id, dialect
         )
     parsing: Parsing = await chat_parsing(pipeline, runtime, body, prompt.prompt.token_ids)
-    job = start_job(pipeline, runtime, prompt.request_id, [prompt.prompt], parsing=parsing)
+    job = start_job(
+        pipeline,
+        runtime,
+        prompt.request_id,
+        [prompt.prompt],
+        parsing=parsing,
+        adapter=pipeline.adapter_of(body.model),
+    )
     return CompletionRun(
         pipeline,
         runtime,
@@ -357,7 +364,14 @@ async def start_chat_completion(
 async def start_completion(pipeline: Pipeline, body: CompletionRequest) -> CompletionRun:
     runtime = pipeline.ready(body.model)
     prompts = await completion_prompts(pipeline, runtime, body)
-    job = start_job(pipeline, runtime, completion_request_id(body), prompts, parsing=PLAIN)
+    job = start_job(
+        pipeline,
+        runtime,
+        completion_request_id(body),
+        prompts,
+        parsing=PLAIN,
+        adapter=pipeline.adapter_of(body.model),
+    )
     answer = AnswerOptions.of(body, body.logprobs)
     if body.echo:
         texts = [

@@ -3,8 +3,8 @@
 TRL's trainers read it first (``vllm_config.model_config.dtype`` for the weights they send,
 the weight-transfer config); vLLM serves it in dev mode, tokenwire with the RL control routes.
 Only what tokenwire can state is filled in, under vLLM's section and field names: one process
-(as ``/get_world_size`` says), no LoRA, no speculative decoding, and the weight-transfer
-config as ``--weight-transfer-config`` gave it (null without the flag).
+(as ``/get_world_size`` says), LoRA's limits when it is on, no speculative decoding, and the
+weight-transfer config as ``--weight-transfer-config`` gave it (null without the flag).
 """
 
 from __future__ import annotations
@@ -53,7 +53,11 @@ def vllm_config(pipeline: Pipeline) -> dict[str, Any]:
             "max_num_seqs": engine.stats().max_num_seqs,
             "max_model_len": runtime.max_model_len,
         },
-        "lora_config": None,
+        "lora_config": (
+            {"max_loras": serving.max_loras, "max_lora_rank": serving.max_lora_rank}
+            if serving.max_loras
+            else None
+        ),
         "speculative_config": None,
         "weight_transfer_config": weight_transfer.config_json(pipeline),
     }

@@ -232,6 +232,20 @@ def _sampling(body: SGLangGenerateRequest) -> SamplingParamsModel:
         raise InvalidRequest(str(exc), "sampling_params") from exc
 
 
+def _adapter(pipeline: Pipeline, body: SGLangGenerateRequest) -> str | None:
+    """SGLang's ``lora_path`` names a loaded adapter (per prompt in a batch: one for all here)."""
+    given = body.lora_path if isinstance(body.lora_path, list) else [body.lora_path]
+    names = set(given)
+    if len(names) > 1:
+        raise InvalidRequest(
+            "lora_path: one adapter per request here (send a batch per adapter)", "lora_path"
+        )
+    name = names.pop() if names else None
+    if name is not None and name not in pipeline.adapters.loaded:
+        raise InvalidRequest(f"lora_path: no LoRA adapter {name!r} is loaded", "lora_path")
+    return name
+
+
 async def start_sglang_generate(pipeline: Pipeline, body: SGLangGenerateRequest) -> SGLangRun:
     runtime = pipeline.ready()
     sampling = _sampling(body)
@@ -263,5 +277,7 @@ async def start_sglang_generate(pipeline: Pipeline, body: SGLangGenerateRequest)
         )
     rid = body.rid or uuid.uuid4().hex
     rids = rid if isinstance(rid, list) else [rid] * len(prompts)
-    job = start_job(pipeline, runtime, rids[0], prompts, parsing=PLAIN)
+    job = start_job(
+        pipeline, runtime, rids[0], prompts, parsing=PLAIN, adapter=_adapter(pipeline, body)
+    )
     return SGLangRun(pipeline, job, body, rids)

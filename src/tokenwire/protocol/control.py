@@ -202,3 +202,17 @@ class MemoryOccupationBody(RequestModel):
     ``tags`` (None: all of them)."""
 
     tags: list[str] | None = None
+
+
+class LoadLoraAdapterBody(RequestModel):
+    """vLLM's ``/v1/load_lora_adapter`` (SGLang's ``/load_lora_adapter`` sends the same names);
+    ``weight_version`` (tokenwire's) labels the tokens it samples."""
+
+    lora_name: str = Field(max_length=256)
+    lora_path: str = Field(max_length=4096)
+    load_inplace: bool = False
+    weight_version: str | None = Field(default=None, min_length=1, max_length=256)
+
+
+class UnloadLoraAdapterBody(RequestModel):
+    lora_name: str = Field(max_length=256)

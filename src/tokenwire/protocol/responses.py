@@ -297,3 +297,11 @@ class UpdateWeightsFromDiskResponse(BaseModel):
     success: bool
     message: str
     num_paused_requests: int
+
+
+class SGLangLoraResponse(BaseModel):
+    """SGLang's answer to ``/load_lora_adapter`` and ``/unload_lora_adapter``."""
+
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict[str, str]

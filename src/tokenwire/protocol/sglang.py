@@ -40,7 +40,6 @@ UNSUPPORTED_FIELDS = (
     "video_data",
     "audio_data",
     "input_embeds",
-    "lora_path",
     "lora_id",
     "custom_logit_processor",
     "session_params",
@@ -109,7 +108,8 @@ class SGLangGenerateRequest(RequestModel):
     video_data: Any = None
     audio_data: Any = None
     input_embeds: Any = None
-    lora_path: Any = None
+    # The loaded LoRA adapter's name (SGLang's), or one per prompt of a batch.
+    lora_path: str | list[str | None] | None = None
     lora_id: Any = None
     custom_logit_processor: Any = None
     session_params: Any = None

@@ -36,6 +36,18 @@ async def list_models(request: Request) -> Response:
         }
         for name in config.model_names
     ]
+    data += [
+        {
+            "id": adapter.name,
+            "object": "model",
+            "created": _STARTED,
+            "owned_by": "tokenwire",
+            "root": adapter.path,
+            "parent": config.served_name,
+            "max_model_len": runtime.max_model_len,
+        }
+        for adapter in pipeline.adapters.loaded.values()
+    ]
     return OrjsonResponse({"object": "list", "data": data})
 
 

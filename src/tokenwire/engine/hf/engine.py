@@ -25,6 +25,7 @@ from tokenwire.engine.base import (
     PauseMode,
     SamplingParams,
     WeightGroup,
+    WeightsError,
     WeightUpdate,
 )
 from tokenwire.engine.defaults import (
@@ -37,6 +38,7 @@ from tokenwire.engine.hf.handoff import (
     Abort,
     Add,
     Command,
+    LoadAdapter,
     NewWeights,
     Pause,
     Reply,
@@ -46,6 +48,7 @@ from tokenwire.engine.hf.handoff import (
     SetVersion,
     Sink,
     Stop,
+    UnloadAdapter,
 )
 from tokenwire.engine.hf.multimodal import RequestMedia, VisionSpec, check_media
 from tokenwire.engine.hf.prefix_cache import salt_key
@@ -106,9 +109,6 @@ class HFEngine:
 
     # Each request may ask for the processed logprobs instead.
     logprobs_mode = "raw_logprobs"
-    features: frozenset[EngineFeature] = frozenset(
-        {"prompt_token_id_logprobs", "logprob_token_ids", "sampling_mask"}
-    )
 
     def __init__(
         self,
@@ -119,10 +119,13 @@ class HFEngine:
         device: str | None = None,
         dtype: torch.dtype | str | None = None,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         threads: int | None = None,
         allow_nonfinite_weights: bool = False,
     ) -> None:
+        """``max_loras`` > 0 turns LoRA on: that many adapter versions live at once."""
         from transformers import AutoConfig
 
         self.model_dir = Path(model_dir)
@@ -141,6 +144,17 @@ class HFEngine:
         self.max_num_seqs = max_num_seqs
         self.vision = VisionSpec.from_config(self.config)
         self.multimodal = self.vision is not None  # takes image input
+        features: set[EngineFeature] = {
+            "prompt_token_id_logprobs",
+            "logprob_token_ids",
+            "sampling_mask",
+        }
+        if max_loras:
+            features.add("lora")
+        self.features = frozenset(features)
+        # Adapter names new requests may ask for (the engine thread's table is the truth; this
+        # loop-side copy lets generate() refuse an unknown name with a 400).
+        self._adapter_names: set[str] = set()
 
         self._runner = ModelRunner(
             self.model_dir,
@@ -149,6 +163,8 @@ class HFEngine:
             max_num_seqs=max_num_seqs,
             device=device,
             dtype=dtype,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
             threads=threads or default_engine_threads(),
         )
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -228,10 +244,14 @@ class HFEngine:
         sampling: SamplingParams,
         media: Any | None = None,
         cache_salt: str | None = None,
+        *,
+        adapter: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Stream a request's outputs; closing the iterator early aborts it in the engine."""
         prompt = list(prompt_token_ids)
         checked = self._validate(prompt, sampling, media)
+        if adapter is not None and adapter not in self._adapter_names:
+            raise EngineError(f"LoRA adapter {adapter!r} is not loaded")
         if request_id in self._live:
             raise EngineError(f"request id {request_id!r} is already running")
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
@@ -244,6 +264,7 @@ class HFEngine:
             checked,
             has_images=bool(checked),
             salt=salt_key(cache_salt),
+            adapter=adapter,
         )
         self._inbox.put(Add(request))
         finished = False
@@ -339,6 +360,19 @@ class HFEngine:
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached block (always succeeds: running rows keep their own KV)."""
         return bool(await self._command(ResetPrefixCache))
+
+    async def load_adapter(self, name: str, path: Path, version: str) -> None:
+        """Read and check the adapter on a worker thread, then put it in a slot between steps."""
+        slots = self._runner.adapters
+        if slots is None:
+            raise WeightsError("LoRA is off (start the server with --enable-lora)")
+        weights = await asyncio.to_thread(slots.read, Path(path))
+        await self._command(lambda reply: LoadAdapter(name, weights, version, reply))
+        self._adapter_names.add(name)
+
+    async def unload_adapter(self, name: str) -> None:
+        self._adapter_names.discard(name)  # first: no request queued after this asks for it
+        await self._command(lambda reply: UnloadAdapter(name, reply))
 
     async def _command(self, make: Any) -> Any:
         if not self.is_ready():

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenwire.engine.base import EngineOutput, FinishReason, PauseMode, SamplingParams
+from tokenwire.engine.hf.lora import AdapterWeights
 from tokenwire.engine.hf.multimodal import RequestMedia
 from tokenwire.engine.hf.sampling import RowSampler
 
@@ -63,6 +64,12 @@ class Request:
     salt: bytes = b""  # ``prefix_cache.salt_key`` of its cache_salt
     # New weights came in after its prefill: its KV mixes two weight versions, keep none of it.
     stale_kv: bool = False
+    # The LoRA adapter it asked for (None: the base model), and what the scheduler pinned when
+    # the request arrived: the adapter slot its rows use (0: none) and the version its tokens
+    # report (its KV's prefix-cache keys are salted with that version too).
+    adapter: str | None = None
+    adapter_slot: int = 0
+    adapter_version: str | None = None
     # A prompt longer than one prefill forward, part-way through (see ``PrefillProgress``).
     progress: PrefillProgress | None = None
 
@@ -149,6 +156,20 @@ class NewWeights:
 
 
 @dataclass(slots=True)
+class LoadAdapter:
+    name: str
+    weights: AdapterWeights
+    version: str
+    reply: Reply
+
+
+@dataclass(slots=True)
+class UnloadAdapter:
+    name: str
+    reply: Reply
+
+
+@dataclass(slots=True)
 class SetVersion:
     version: str
     reply: Reply
@@ -159,7 +180,18 @@ class ResetPrefixCache:
     reply: Reply
 
 
-Command = Add | Abort | Stop | Pause | Resume | NewWeights | SetVersion | ResetPrefixCache
+Command = (
+    Add
+    | Abort
+    | Stop
+    | Pause
+    | Resume
+    | NewWeights
+    | SetVersion
+    | ResetPrefixCache
+    | LoadAdapter
+    | UnloadAdapter
+)
 # One step's outputs (or the error that ended a stream), in the order they were made.
 Emits = list[tuple[Sink, EngineOutput | BaseException]]
 

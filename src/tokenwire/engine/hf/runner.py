@@ -21,6 +21,7 @@ from tokenwire.engine.hf import invariance
 from tokenwire.engine.hf.handoff import PrefillProgress, Request
 from tokenwire.engine.hf.host_memory import return_free_heap_to_os
 from tokenwire.engine.hf.kv_cache import PaddedBatchCache
+from tokenwire.engine.hf.lora import AdapterSlots
 from tokenwire.engine.hf.mrope import prefill_positions
 from tokenwire.engine.hf.multimodal import RequestMedia, VisionSpec, prefill_media_kwargs
 from tokenwire.engine.hf.prefix_cache import LayerKV, RowKV
@@ -95,6 +96,8 @@ class ModelRunner:
         max_num_seqs: int,
         device: str | None,
         dtype: torch.dtype | str | None,
+        max_loras: int = 0,
+        max_lora_rank: int = 0,
         threads: int,
     ) -> None:
         self.model_dir = model_dir
@@ -111,6 +114,8 @@ class ModelRunner:
         self._num_layers = 0
         self._cache_kwarg = "cache"
         self._row_padding = invariance.RowPadding(1)  # load() probes the real block
+        self._max_loras, self._max_lora_rank = max_loras, max_lora_rank
+        self.adapters: AdapterSlots | None = None  # with LoRA on, once loaded
 
     def load(self) -> None:
         """Load the weights, read vocab size and eos ids, and warm up."""
@@ -147,6 +152,10 @@ class ModelRunner:
         # Every weight by its checkpoint name (tied ones under both), read once: new weights
         # are checked against it and copied into it.
         self.weights: dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
+        if self._max_loras:
+            self.adapters = AdapterSlots(
+                model, max_loras=self._max_loras, max_rank=self._max_lora_rank
+            )
         # transformers 5.24 renamed the forward's past_key_values to cache; .venv-vllm has 5.19.
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -345,6 +354,7 @@ class ModelRunner:
         prefilled alone (see the scheduler's ``_next_group``): a vision tower forward is costly,
         and a shared group would stall text prompts behind it.
         """
+        self._select_adapters(group)
         inputs = {
             "input_ids": ids,
             "attention_mask": mask,
@@ -399,6 +409,7 @@ class ModelRunner:
         # Seeded rows attend over exactly their own tokens (see invariance.py).
         exact = tuple((i, len(r.prompt) + len(r.output)) for i, r in enumerate(rows) if r.seeded)
         self._row_padding.active = bool(exact)
+        self._select_adapters(rows)
         out = self.model(
             input_ids=ids,
             attention_mask=attention_mask,
@@ -410,6 +421,13 @@ class ModelRunner:
         )
         cache.commit(1)
         return out.logits[:, -1].float()
+
+    def _select_adapters(self, rows: list[Request]) -> None:
+        """Tell the adapted linears which slot each row of the next forward uses."""
+        if self.adapters is None:
+            return
+        slots = [r.adapter_slot for r in rows]
+        self.adapters.rows = torch.tensor(slots, device=self.device) if any(slots) else None
 
     def sample(self, rows: list[Request], logits: torch.Tensor) -> SampleResult:
         """One token per row, recorded in the row's sampler (the history its penalties use)."""

@@ -25,10 +25,12 @@ in the order they arrive, so every token is sampled by exactly one weight versio
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -39,12 +41,14 @@ from tokenwire.engine.base import (
     FinishReason,
     SamplingSupport,
     TokenLogprob,
+    WeightsError,
 )
 from tokenwire.engine.hf.handoff import (
     Abort,
     Add,
     Command,
     Emits,
+    LoadAdapter,
     NewWeights,
     Pause,
     Reply,
@@ -53,6 +57,7 @@ from tokenwire.engine.hf.handoff import (
     Resume,
     SetVersion,
     Stop,
+    UnloadAdapter,
     deliver,
 )
 from tokenwire.engine.hf.prefix_cache import BLOCK_TOKENS, LayerKV, PrefixCache, block_keys
@@ -60,6 +65,16 @@ from tokenwire.engine.hf.runner import ModelRunner, PromptScores
 from tokenwire.engine.stopping import check_stop
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LiveAdapter:
+    """The version of a LoRA adapter new requests get: its slot, its version, and what salts
+    the prefix-cache keys of KV computed under it (unique per load)."""
+
+    slot: int
+    version: str
+    salt: bytes
 
 
 class Scheduler:
@@ -97,6 +112,8 @@ class Scheduler:
         # Set by a prefill; the busy -> idle edge then frees what the peak batch held.
         self._memory_to_release = False
         self.weight_version = DEFAULT_WEIGHT_VERSION
+        self.adapters: dict[str, LiveAdapter] = {}
+        self._adapter_loads = 0  # makes each loaded version's cache root unique
         self.num_running = 0
         self.num_waiting = 0
         self.steps = 0
@@ -186,8 +203,8 @@ class Scheduler:
             except queue.Empty:
                 break
             if isinstance(cmd, Add):
-                emits.append((cmd.request.sink, self._output([], "abort")))
-            elif isinstance(cmd, Pause | Resume | NewWeights | SetVersion | ResetPrefixCache):
+                emits.append((cmd.request.sink, self._output(cmd.request, [], "abort")))
+            elif not isinstance(cmd, Abort | Stop):
                 cmd.reply.send(EngineError("the engine is shutting down"))
         deliver(emits)
 
@@ -201,7 +218,7 @@ class Scheduler:
             if isinstance(cmd, Stop):
                 self.stopping = True
             elif isinstance(cmd, Add):
-                self.waiting.append(cmd.request)
+                self._admit(cmd.request, emits)
             elif isinstance(cmd, Abort):
                 self._apply_aborts({cmd.request_id}, emits)
             else:
@@ -210,6 +227,38 @@ class Scheduler:
                 cmd = self.inbox.get_nowait()
             except queue.Empty:
                 break
+
+    def _admit(self, req: Request, emits: Emits) -> None:
+        """Queue a request, pinned to the adapter version loaded now (if it asked for one)."""
+        if req.adapter is not None:
+            live = self.adapters.get(req.adapter)
+            if live is None:  # the engine checks names before queueing; an unload raced it
+                emits.append((req.sink, EngineError(f"LoRA adapter {req.adapter!r} unloaded")))
+                return
+            req.adapter_slot = live.slot
+            req.adapter_version = live.version
+            # KV under another adapter version must never answer this one's lookups.
+            req.salt = hashlib.blake2b(req.salt + live.salt, digest_size=16).digest()
+        self.waiting.append(req)
+
+    def _load_adapter(self, cmd: LoadAdapter) -> None:
+        """Put an adapter version in a slot no request and no other adapter uses; the version it
+        replaces keeps its slot while requests pinned to it run."""
+        slots = self.runner.adapters
+        if slots is None:
+            raise WeightsError("LoRA is off (start the server with --enable-lora)")
+        busy = {r.adapter_slot for r in (*self.running, *self.waiting)}
+        busy |= {live.slot for name, live in self.adapters.items() if name != cmd.name}
+        slot = next((s for s in range(1, slots.max_loras + 1) if s not in busy), None)
+        if slot is None:
+            raise WeightsError(
+                f"all {slots.max_loras} --max-loras slots hold adapter versions in use; unload "
+                "one, wait for requests of replaced versions to finish, or raise --max-loras"
+            )
+        slots.put(slot, cmd.weights)
+        self._adapter_loads += 1
+        salt = hashlib.blake2b(f"lora:{self._adapter_loads}".encode(), digest_size=16).digest()
+        self.adapters[cmd.name] = LiveAdapter(slot, cmd.version, salt)
 
     def _control(self, cmd: Command, emits: Emits) -> None:
         """Pause, resume, swap weights or set the version, between two steps."""
@@ -247,6 +296,16 @@ class Scheduler:
             if cmd.version is not None:
                 self.weight_version = cmd.version
             cmd.reply.send(None)
+        elif isinstance(cmd, LoadAdapter):
+            try:
+                self._load_adapter(cmd)
+            except WeightsError as exc:
+                cmd.reply.send(exc)
+                return
+            cmd.reply.send(None)
+        elif isinstance(cmd, UnloadAdapter):
+            self.adapters.pop(cmd.name, None)  # its slot frees once its requests end
+            cmd.reply.send(None)
         elif isinstance(cmd, ResetPrefixCache):
             self.prefix.clear()
             cmd.reply.send(True)
@@ -270,7 +329,7 @@ class Scheduler:
         for req in self.running:
             if req.has_images:
                 req.finish = "abort"
-                emits.append((req.sink, self._output([], "abort")))
+                emits.append((req.sink, self._output(req, [], "abort")))
             else:
                 req.recompute = True
                 kept.append(req)
@@ -279,21 +338,27 @@ class Scheduler:
         self._restart_prefills()
         self.waiting.extendleft(reversed(kept))
 
-    def _output(self, token_ids: list[int], finish: FinishReason | None = None) -> EngineOutput:
-        return EngineOutput(token_ids, finish_reason=finish, weight_version=self.weight_version)
+    def _version(self, req: Request) -> str:
+        """The version that samples ``req``'s tokens: its adapter's, else the base weights'."""
+        return req.adapter_version or self.weight_version
+
+    def _output(
+        self, req: Request, token_ids: list[int], finish: FinishReason | None = None
+    ) -> EngineOutput:
+        return EngineOutput(token_ids, finish_reason=finish, weight_version=self._version(req))
 
     def _apply_aborts(self, ids: set[str], emits: Emits) -> None:
         kept: deque[Request] = deque()
         for req in self.waiting:
             if req.request_id in ids:
-                emits.append((req.sink, self._output([], "abort")))
+                emits.append((req.sink, self._output(req, [], "abort")))
             else:
                 kept.append(req)
         self.waiting = kept
         for req in self.running:
             if req.request_id in ids and req.finish is None:
                 req.finish = "abort"
-                emits.append((req.sink, self._output([], "abort")))
+                emits.append((req.sink, self._output(req, [], "abort")))
         self._drop_finished()
 
     def _abort_all(self, emits: Emits) -> None:
@@ -449,7 +514,7 @@ class Scheduler:
                 logprobs=[lp] if lp is not None else None,
                 finish_reason=req.finish,
                 stop_reason=stop_reason,
-                weight_version=self.weight_version,
+                weight_version=self._version(req),
                 sampling_masks=[support] if support is not None else None,
             )
             if first and is_first:

@@ -23,6 +23,8 @@ def engine_args(
     dtype: str | None,
     extra: Sequence[str] = (),
     max_logprobs: int = 20,
+    max_loras: int = 0,
+    max_lora_rank: int = 16,
     max_num_batched_tokens: int | None = None,
 ) -> Any:
     """``AsyncEngineArgs`` for ``model_dir``; ``extra`` are vLLM CLI flags passed through."""
@@ -43,6 +45,10 @@ def engine_args(
         args.max_num_batched_tokens = max_num_batched_tokens
     if dtype not in (None, "", "auto"):
         args.dtype = dtype
+    if max_loras:
+        args.enable_lora = True
+        args.max_loras = max_loras
+        args.max_lora_rank = max_lora_rank
     # tokenwire renders and decodes: vLLM sees token ids only.
     args.skip_tokenizer_init = True
     args.worker_extension_cls = WORKER_EXTENSION

@@ -56,6 +56,8 @@ class VLLMEngine:
         dtype: str | None = None,
         extra_args: Sequence[str] = (),
         max_logprobs: int = 20,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
         max_num_batched_tokens: int | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
@@ -66,8 +68,15 @@ class VLLMEngine:
             "dtype": dtype,
             "extra": extra_args,
             "max_logprobs": max_logprobs,
+            "max_loras": max_loras,
+            "max_lora_rank": max_lora_rank,
             "max_num_batched_tokens": max_num_batched_tokens,
         }
+        if max_loras:
+            self.features = self.features | {"lora"}
+        # Loaded adapters as vLLM's LoRARequest, and the version each reports.
+        self._adapters: dict[str, tuple[Any, str]] = {}
+        self._lora_ids = 0
         self.max_model_len = max_model_len or 0  # vLLM's value once started
         self.vocab_size = 0
         self.eos_token_ids: tuple[int, ...] = ()
@@ -96,6 +105,8 @@ class VLLMEngine:
                 dtype=self._options["dtype"],
                 extra=self._options["extra"],
                 max_logprobs=self._options["max_logprobs"],
+                max_loras=self._options["max_loras"],
+                max_lora_rank=self._options["max_lora_rank"],
                 max_num_batched_tokens=self._options["max_num_batched_tokens"],
             )
             self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
@@ -126,6 +137,8 @@ class VLLMEngine:
         sampling: SamplingParams,
         media: Any | None = None,
         cache_salt: str | None = None,
+        *,
+        adapter: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Stream a request's outputs; closing the iterator early aborts it in vLLM."""
         from vllm.exceptions import VLLMClientError
@@ -138,24 +151,34 @@ class VLLMEngine:
             raise EngineError("--engine vllm takes no image input yet (see docs/api.md)")
         if request_id in self._live:
             raise EngineError(f"request id {request_id!r} is already running")
+        lora, version = None, self._version
+        if adapter is not None:
+            if adapter not in self._adapters:
+                raise EngineError(f"LoRA adapter {adapter!r} is not loaded")
+            lora, version = self._adapters[adapter]
         params = sampling_params(sampling, self.logprobs_mode)
         tokens = TokensPrompt(prompt_token_ids=prompt)
         if cache_salt is not None:
             tokens["cache_salt"] = cache_salt
-        state = OutputState(prompt, sampling, frozenset(self.eos_token_ids), self._version)
+        state = OutputState(
+            prompt, sampling, frozenset(self.eos_token_ids), version, track_versions=lora is None
+        )
         self._live[request_id] = ""
         collector = None
         finished = False
         try:
             try:
-                collector = await self._llm.add_request(request_id, tokens, params)
+                collector = await self._llm.add_request(
+                    request_id, tokens, params, lora_request=lora
+                )
             except VLLMClientError as exc:
                 raise EngineError(str(exc)) from exc
             self._live[request_id] = collector.request_id
             while not finished:
                 output = collector.get_nowait() or await collector.get()
                 finished = output.finished
-                for piece in state.convert(output, self._version_starts(collector.request_id)):
+                starts = self._version_starts(collector.request_id)
+                for piece in state.convert(output, starts):
                     yield piece
         finally:
             if self._live.get(request_id) is not None:
@@ -224,6 +247,27 @@ class VLLMEngine:
     async def reset_prefix_cache(self) -> bool:
         self._require_running()
         return bool(await self._llm.reset_prefix_cache())
+
+    async def load_adapter(self, name: str, path: Path, version: str) -> None:
+        """vLLM's ``add_lora``; a replaced adapter keeps its id, as vLLM's own route does."""
+        from vllm.lora.request import LoRARequest
+
+        self._require_running()
+        previous = self._adapters.get(name)
+        if previous is None:
+            self._lora_ids += 1
+        lora_id = previous[0].lora_int_id if previous else self._lora_ids
+        request = LoRARequest(name, lora_id, str(path), load_inplace=previous is not None)
+        try:
+            await self._llm.add_lora(request)
+        except Exception as exc:
+            raise WeightsError(f"vLLM did not load the adapter: {exc}") from exc
+        self._adapters[name] = (request, version)
+
+    async def unload_adapter(self, name: str) -> None:
+        self._require_running()
+        request, _ = self._adapters.pop(name)
+        await self._llm.remove_lora(request.lora_int_id)
 
     # -- weight transfer: not on this engine yet (see docs/api.md) ---------------------------
     # vLLM's own transfer engines (nccl, ipc) need CUDA, and a gloo one registered with its

@@ -68,6 +68,8 @@ class OutputState:
     sampling: SamplingParams
     eos_token_ids: frozenset[int]
     fallback_version: str
+    # vLLM stamps the base weights' versions; a LoRA request reports its adapter's instead.
+    track_versions: bool = True
     num_tokens: int = 0  # output tokens converted so far
     sent_prompt_logprobs: bool = False
     starts: VersionStarts = field(default_factory=list)
@@ -79,7 +81,9 @@ class OutputState:
         it finished: the final output carries the spans instead).
         """
         completion = output.outputs[0]
-        if completion.weight_versions:
+        if not self.track_versions:
+            pass
+        elif completion.weight_versions:
             self.starts = [(span.version, span.start) for span in completion.weight_versions]
         elif live_starts:
             self.starts = list(live_starts)

@@ -1,0 +1,214 @@
+"""LoRA adapters in PEFT's on-disk format, served per row of one batch.
+
+An adapter directory holds ``adapter_config.json`` and ``adapter_model.safetensors`` (what
+``peft``'s ``save_pretrained`` writes). ``read_adapter`` checks it against the model before
+anything changes; ``AdapterSlots`` keeps up to ``max_loras`` adapters stacked per target module,
+and each target ``nn.Linear`` adds ``scaling * B_s A_s x`` for its row's slot ``s`` (slot 0 is
+the base model: no delta). Several adapters and the base share one forward that way (the
+batched gather-matmul vLLM calls punica), and a new version of an adapter loads into a free slot
+while rows of the old one finish under it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenwire.engine.base import WeightsError
+from tokenwire.engine.hf.checkpoint import all_finite, read_safetensors
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# PEFT names a module's factors "<prefix><module path>.lora_A.weight" / ".lora_B.weight".
+_PEFT_PREFIX = "base_model.model."
+# adapter_config.json fields whose non-default values change the math served here.
+_UNSUPPORTED: dict[str, Any] = {
+    "use_dora": False,
+    "bias": "none",
+    "modules_to_save": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "layers_to_transform": None,
+}
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """One adapter read from disk and checked: per target module (the model's module path),
+    ``A`` [r, in] and ``B`` [out, r] with the scaling folded into ``B``."""
+
+    rank: int
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.factors.values())
+
+
+def target_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    """The ``nn.Linear`` modules of the text decoder an adapter may target, by module path
+    from the root (as PEFT names them). Not the LM head (prompt scoring projects [positions, H]
+    through it without rows) nor a vision tower (other batch shapes)."""
+    decoder = {id(m) for m in model.get_decoder().modules()}
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and id(module) in decoder
+    }
+
+
+def read_adapter(
+    path: Path, linears: dict[str, torch.nn.Linear], *, max_rank: int, dtype: torch.dtype
+) -> AdapterWeights:
+    """Read a PEFT LoRA adapter and check it fits the model; ``WeightsError`` says why not."""
+    config = _read_config(path)
+    rank = config.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise WeightsError(f"{CONFIG_FILE}: r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise WeightsError(f"the adapter's rank {rank} is above --max-lora-rank {max_rank}")
+    alpha = config.get("lora_alpha", rank)
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
+        raise WeightsError(f"{CONFIG_FILE}: lora_alpha must be a number, got {alpha!r}")
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    tensors = _read_tensors(path / WEIGHTS_FILE)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        module, factor = _split_key(key)
+        pairs.setdefault(module, {})[factor] = tensor
+    if not pairs:
+        raise WeightsError(f"{WEIGHTS_FILE} holds no LoRA factors")
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module, pair in sorted(pairs.items()):
+        linear = linears.get(module)
+        if linear is None:
+            raise WeightsError(f"the adapter targets {module}, which is not a linear of the model")
+        if set(pair) != {"lora_A", "lora_B"}:
+            raise WeightsError(f"{module}: needs both lora_A and lora_B, has {sorted(pair)}")
+        a, b = pair["lora_A"], pair["lora_B"]
+        if config.get("fan_in_fan_out"):
+            a, b = a.T, b.T
+        expected = {"lora_A": (rank, linear.in_features), "lora_B": (linear.out_features, rank)}
+        for factor, tensor in (("lora_A", a), ("lora_B", b)):
+            if tuple(tensor.shape) != expected[factor]:
+                raise WeightsError(
+                    f"{module}.{factor} has shape {tuple(tensor.shape)}; with r={rank} the "
+                    f"model needs {expected[factor]}"
+                )
+            if not all_finite(tensor):
+                raise WeightsError(f"{module}.{factor} holds NaN or infinite values")
+        factors[module] = (a.to(dtype).contiguous(), (b.to(torch.float32) * scaling).to(dtype))
+    return AdapterWeights(rank=rank, factors=factors)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    if not path.is_dir():
+        raise WeightsError(f"{path} is not a directory")
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except FileNotFoundError as exc:
+        raise WeightsError(f"{path} has no {CONFIG_FILE}") from exc
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise WeightsError(f"{CONFIG_FILE} cannot be read: {exc}") from exc
+    if not isinstance(config, dict):
+        raise WeightsError(f"{CONFIG_FILE} must hold a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise WeightsError(f"only LoRA adapters are served, not {config.get('peft_type')!r}")
+    for field, default in _UNSUPPORTED.items():
+        if config.get(field, default) not in (default, None, {}, False, "none"):
+            raise WeightsError(f"{CONFIG_FILE}: {field}={config[field]!r} is not supported")
+    return config
+
+
+def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """Read into memory while the file is open, as checkpoints are (a trainer rewriting the
+    adapter it saves each step must not fault the server)."""
+    if not file.is_file():
+        raise WeightsError(f"{file.parent} has no {WEIGHTS_FILE}")
+    return read_safetensors(file)
+
+
+def _split_key(key: str) -> tuple[str, str]:
+    """``base_model.model.<module>.lora_A.weight`` -> (``<module>``, ``lora_A``)."""
+    name = key.removeprefix(_PEFT_PREFIX)
+    for factor in ("lora_A", "lora_B"):
+        # PEFT writes ".lora_A.weight" (and ".lora_A.<adapter name>.weight" in some versions).
+        head, sep, tail = name.partition(f".{factor}.")
+        if sep and tail.endswith("weight"):
+            return head, factor
+    raise WeightsError(f"{WEIGHTS_FILE}: {key!r} is not a LoRA factor (lora_A / lora_B)")
+
+
+class AdapterSlots:
+    """Up to ``max_loras`` adapters stacked per target linear, and which slot each row of the
+    next forward uses (``rows``; ``None`` while every row runs the base model)."""
+
+    def __init__(self, model: torch.nn.Module, *, max_loras: int, max_rank: int) -> None:
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.linears = target_linears(model)
+        self.rows: torch.Tensor | None = None
+        param = next(model.parameters())
+        self._device, self._dtype = param.device, param.dtype
+        # Stacks per target module, made when an adapter first targets it: slot 0 stays zero.
+        self._a: dict[str, torch.Tensor] = {}
+        self._b: dict[str, torch.Tensor] = {}
+        self._used: dict[int, AdapterWeights] = {}
+
+    def read(self, path: Path) -> AdapterWeights:
+        return read_adapter(path, self.linears, max_rank=self.max_rank, dtype=self._dtype)
+
+    def put(self, slot: int, adapter: AdapterWeights) -> None:
+        """Write ``adapter`` into ``slot``, replacing what it held."""
+        if slot in self._used:
+            self.clear(slot)
+        for module, (a, b) in adapter.factors.items():
+            if module not in self._a:
+                self._install(module)
+            r = a.shape[0]
+            self._a[module][slot, :r] = a.to(self._device)
+            self._b[module][slot, :, :r] = b.to(self._device)
+        self._used[slot] = adapter
+
+    def clear(self, slot: int) -> None:
+        for module in self._used.pop(slot).factors:
+            self._a[module][slot].zero_()
+            self._b[module][slot].zero_()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self._a.values(), *self._b.values()))
+
+    def _install(self, module: str) -> None:
+        linear = self.linears[module]
+        slots = self.max_loras + 1
+        kwargs = {"device": self._device, "dtype": self._dtype}
+        a = self._a[module] = torch.zeros(slots, self.max_rank, linear.in_features, **kwargs)
+        b = self._b[module] = torch.zeros(slots, linear.out_features, self.max_rank, **kwargs)
+        # Wrap whatever forward the linear has now (the batch-invariance padding, maybe).
+        linear.forward = functools.partial(_lora_forward, linear.forward, self, a, b)
+
+
+def _lora_forward(
+    base: Callable[[torch.Tensor], torch.Tensor],
+    slots: AdapterSlots,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    x: torch.Tensor,
+) -> torch.Tensor:
+    out = base(x)
+    rows = slots.rows
+    if rows is None:
+        return out
+    if x.dim() != 3 or x.shape[0] != rows.shape[0]:
+        raise RuntimeError(f"adapter rows {tuple(rows.shape)} do not match input {tuple(x.shape)}")
+    # [B, T, in] @ [B, in, r] @ [B, r, out]: each row through its own slot's factors.
+    low = torch.bmm(x, a.index_select(0, rows).transpose(1, 2))
+    return out + torch.bmm(low, b.index_select(0, rows).transpose(1, 2))

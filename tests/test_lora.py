@@ -1,0 +1,363 @@
+"""LoRA adapters in PEFT's format: read and checked, then served per row against PEFT itself."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.conftest import API_KEY, Server, _start
+from tokenwire.engine.base import WeightsError
+from tokenwire.engine.hf.lora import CONFIG_FILE, WEIGHTS_FILE, AdapterSlots
+
+pytestmark = pytest.mark.model
+SMOLLM2 = Path.home() / ".cache/tokenwire/models/smollm2-135m-instruct"
+TARGETS = (["q_proj", "v_proj"], ["q_proj", "k_proj", "o_proj"], ["gate_proj", "down_proj"])
+
+
+def _base() -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Three PEFT adapters (random lora_B, so each changes the model), saved by PEFT."""
+    from peft import LoraConfig, get_peft_model
+
+    root = tmp_path_factory.mktemp("adapters")
+    paths = []
+    for i, targets in enumerate(TARGETS):
+        torch.manual_seed(i)
+        config = LoraConfig(
+            r=4 + 4 * i,
+            lora_alpha=16,
+            target_modules=targets,
+            init_lora_weights=False,
+            use_rslora=i == 2,
+        )
+        peft_model = get_peft_model(_base(), config)
+        path = root / f"adapter{i}"
+        peft_model.save_pretrained(path)
+        paths.append(path)
+    return paths
+
+
+@functools.cache
+def _reference(path: Path | None) -> torch.nn.Module:
+    """The trainer's model: the base, or PEFT's model of an adapter (each built once)."""
+    from peft import PeftModel
+
+    return _base() if path is None else PeftModel.from_pretrained(_base(), path).eval()
+
+
+def _peft_logits(path: Path | None, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return _reference(path)(input_ids=ids).logits
+
+
+def test_mixed_batch_matches_peft(adapters: list[Path]) -> None:
+    """Base + three adapters in one forward: each row equals PEFT's forward of its adapter."""
+    ids = torch.tensor([[1, 504, 3458, 314, 260, 1345, 28, 30]] * 4)
+    model = _base()
+    slots = AdapterSlots(model, max_loras=4, max_rank=16)
+    for slot, path in enumerate(adapters, start=1):
+        slots.put(slot, slots.read(path))
+    slots.rows = torch.tensor([0, 1, 2, 3])
+    with torch.inference_mode():
+        served = model(input_ids=ids).logits
+    # References in the same batch shape: CPU GEMMs of other shapes alone differ by ~1e-4.
+    reference = [_peft_logits(None, ids)[0]]
+    reference += [_peft_logits(p, ids)[row] for row, p in enumerate(adapters, start=1)]
+    for row, expected in enumerate(reference):
+        logprobs = torch.log_softmax(served[row], -1)
+        assert (logprobs - torch.log_softmax(expected, -1)).abs().max() <= 1e-4
+    assert (served[1] - served[0]).abs().max() > 1e-2  # the adapter changes the output
+
+    slots.clear(2)
+    with torch.inference_mode():
+        cleared = model(input_ids=ids).logits
+    assert torch.allclose(cleared[2], served[0], atol=1e-5)  # slot 2 serves the base again
+
+
+def _write(path: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    path.mkdir()
+    (path / CONFIG_FILE).write_text(json.dumps(config))
+    save_file(tensors, path / WEIGHTS_FILE)
+    return path
+
+
+def test_bad_adapters_are_refused(tmp_path: Path, adapters: list[Path]) -> None:
+    model = _base()
+    slots = AdapterSlots(model, max_loras=2, max_rank=8)
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    good = {f"{q}.lora_A.weight": torch.zeros(4, 576), f"{q}.lora_B.weight": torch.zeros(576, 4)}
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8}
+    cases = {
+        "missing": (tmp_path / "nowhere", "not a directory"),
+        "rank": (adapters[2], "above --max-lora-rank 8"),
+        "target": (
+            _write(
+                tmp_path / "target",
+                config,
+                {k.replace("q_proj", "rotary"): v for k, v in good.items()},
+            ),
+            "not a linear of the model",
+        ),
+        "shape": (
+            _write(tmp_path / "shape", config, {**good, f"{q}.lora_A.weight": torch.zeros(4, 100)}),
+            "has shape (4, 100)",
+        ),
+        "nan": (
+            _write(
+                tmp_path / "nan",
+                config,
+                {**good, f"{q}.lora_B.weight": torch.full((576, 4), float("nan"))},
+            ),
+            "NaN or infinite",
+        ),
+        "dora": (_write(tmp_path / "dora", {**config, "use_dora": True}, good), "use_dora"),
+        "no_weights": (_write(tmp_path / "empty", config, {"x": torch.zeros(1)}), "lora_A"),
+    }
+    for name, (path, message) in cases.items():
+        with pytest.raises(WeightsError, match=re.escape(message)):
+            slots.read(path)
+        assert slots.nbytes == 0, name  # nothing was installed
+
+
+# --- served over HTTP: a real server with LoRA on ----------------------------------------------
+
+PROMPT = [1, 504, 3458, 314, 260, 1345, 28, 30, 2683, 314, 253, 1789]
+LONG_PROMPT = list(range(1000, 1040))  # 2 full prefix-cache blocks and change
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory: pytest.TempPathFactory, adapters: list[Path]) -> Iterator[Server]:
+    """SmolLM2 with LoRA on: ``a0`` loaded at start-up, adapters only from their parent dir."""
+    allowed = adapters[0].parent
+    args = [
+        *("--enable-rl-control", "--enable-lora", "--max-loras", "5", "--max-lora-rank", "16"),
+        *("--lora-modules", f"a0={adapters[0]}", "--allowed-lora-paths", str(allowed)),
+        *("--max-logprobs", "-1", "--max-num-batched-tokens", "64"),
+    ]
+    yield from _start(tmp_path_factory, "lora", args, api_key=API_KEY)
+
+
+def _generate(server: Server, model: str | None, ids: list[int], **sampling: Any) -> dict:
+    body: dict[str, Any] = {
+        "token_ids": ids,
+        "sampling_params": {"temperature": 0, "max_tokens": 6, "logprobs": 0, **sampling},
+    }
+    if model is not None:
+        body["model"] = model
+    with server.client() as client:
+        response = client.post("/inference/v1/generate", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _trainer_logprobs(path: Path | None, prompt: list[int], output: list[int]) -> list[float]:
+    """A trainer's view: one PEFT (or base) forward over prompt + output."""
+    logits = _peft_logits(path, torch.tensor([prompt + output]))[0]
+    logprobs = torch.log_softmax(logits.float(), -1)
+    start = len(prompt) - 1
+    return [logprobs[start + i, t].item() for i, t in enumerate(output)]
+
+
+def _load(server: Server, name: str, path: Path, **extra: Any) -> Any:
+    with server.client() as client:
+        return client.post(
+            "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path), **extra}
+        )
+
+
+def test_adapters_served_in_one_batch_equal_peft(lora_server: Server, adapters: list[Path]) -> None:
+    """Base and three adapters at once: each answer's logprobs equal a PEFT forward of its ids,
+    and each token names its adapter's version."""
+    for i, path in enumerate(adapters[1:], start=1):
+        response = _load(lora_server, f"a{i}", path)
+        assert response.status_code == 200, response.text
+        assert response.text == f"Success: LoRA adapter 'a{i}' added successfully."
+    models = [None, "a0", "a1", "a2"] * 2
+    with ThreadPoolExecutor(len(models)) as pool:
+        answers = list(pool.map(lambda m: _generate(lora_server, m, PROMPT), models))
+    outputs = {}
+    for model, answer in zip(models, answers, strict=True):
+        choice = answer["choices"][0]
+        ids = choice["token_ids"]
+        outputs.setdefault(model, ids)
+        assert ids == outputs[model]  # the same greedy ids whoever shared the batch
+        path = None if model is None else adapters[int(model[1])]
+        served = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+        expected = _trainer_logprobs(path, PROMPT, ids)
+        assert max(abs(a - b) for a, b in zip(served, expected, strict=True)) <= 1e-4
+        version = "default" if model is None else f"{model}@{int(model[1]) + 1}"
+        assert [span["version"] for span in choice["weight_versions"]] == [version]
+    assert len({tuple(ids) for ids in outputs.values()}) > 1  # adapters change the answer
+
+    with lora_server.client() as client:
+        listed = client.get("/v1/models").json()["data"]
+    cards = {card["id"]: card for card in listed}
+    assert cards["a2"]["parent"] == "smollm2-135m-instruct"
+    assert cards["a2"]["root"] == str(adapters[2])
+
+
+def test_chunked_prefill_runs_under_its_adapter(lora_server: Server, adapters: list[Path]) -> None:
+    """A prompt longer than one prefill forward (64 tokens here) is chunked: every chunk runs
+    through the request's adapter, beside a base-model stream."""
+    prompt = [(7 * t) % 3000 + 100 for t in range(150)]
+    with ThreadPoolExecutor(2) as pool:
+        base = pool.submit(_generate, lora_server, None, PROMPT, max_tokens=30)
+        answer = _generate(lora_server, "a0", prompt)
+        base.result()
+    choice = answer["choices"][0]
+    served = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+    expected = _trainer_logprobs(adapters[0], prompt, choice["token_ids"])
+    assert max(abs(a - b) for a, b in zip(served, expected, strict=True)) <= 1e-4
+
+
+def test_prefix_cache_never_crosses_adapters(lora_server: Server) -> None:
+    """KV cached under one adapter (or the base) never serves another."""
+    first = {}
+    for model in ("a0", None, "a1", "a0", None):
+        usage = _generate(lora_server, model, LONG_PROMPT, max_tokens=1)["usage"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        if model in first:
+            assert cached == 32, model  # its own earlier prompt
+        else:
+            assert cached == 0, model
+            first[model] = cached
+
+
+class _Stream:
+    """A streamed generate under ``model`` read on a thread; ``started`` once tokens came."""
+
+    def __init__(self, server: Server, model: str) -> None:
+        self.chunks: list[dict] = []
+        self.started = threading.Event()
+        self.error: str | None = None
+        body = {
+            "model": model,
+            "token_ids": PROMPT,
+            "stream": True,
+            "sampling_params": {"temperature": 0, "max_tokens": 40, "ignore_eos": True},
+        }
+        self.thread = threading.Thread(target=self._run, args=(server, body), daemon=True)
+        self.thread.start()
+
+    def _run(self, server: Server, body: dict) -> None:
+        with (
+            server.client() as client,
+            client.stream("POST", "/inference/v1/generate", json=body) as response,
+        ):
+            if response.status_code != 200:
+                self.error = response.read().decode()
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    self.chunks.append(json.loads(line[6:]))
+                    self.started.set()
+        self.started.set()
+
+    def versions(self) -> set[str]:
+        return {
+            span["version"]
+            for chunk in self.chunks
+            for choice in chunk["choices"]
+            for span in choice.get("weight_versions") or ()
+        }
+
+    def tokens(self) -> list[int]:
+        return [t for chunk in self.chunks for c in chunk["choices"] for t in c["token_ids"]]
+
+
+def test_swap_and_unload_while_requests_run(lora_server: Server, adapters: list[Path]) -> None:
+    """An in-place swap and an unload while streams run: none fails, each keeps the version
+    it started under, and later requests see the new version (or a 404)."""
+    response = _load(lora_server, "swap", adapters[0], weight_version="v1")
+    assert response.status_code == 200, response.text
+    streams = [_Stream(lora_server, "swap") for _ in range(3)]
+    for stream in streams:
+        assert stream.started.wait(600)
+    response = _load(lora_server, "swap", adapters[1], load_inplace=True, weight_version="v2")
+    assert response.status_code == 200, response.text
+    after = _generate(lora_server, "swap", PROMPT)
+    assert after["choices"][0]["weight_versions"][0]["version"] == "v2"
+    with lora_server.client() as client:
+        unload = client.post("/v1/unload_lora_adapter", json={"lora_name": "swap"})
+        assert unload.status_code == 200, unload.text
+        gone = client.post(
+            "/inference/v1/generate",
+            json={"model": "swap", "token_ids": PROMPT, "sampling_params": {}},
+        )
+        assert gone.status_code == 404, gone.text
+    for stream in streams:
+        stream.thread.join(600)
+        assert stream.error is None, stream.error
+        assert len(stream.tokens()) == 40
+        assert stream.versions() == {"v1"}  # the version it started under, to its end
+    # The swapped-in version's logprobs equal PEFT's forward of that adapter.
+    choice = after["choices"][0]
+    served = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+    expected = _trainer_logprobs(adapters[1], PROMPT, choice["token_ids"])
+    assert max(abs(a - b) for a, b in zip(served, expected, strict=True)) <= 1e-4
+
+
+def test_lora_bad_input(lora_server: Server, adapters: list[Path], tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    with lora_server.client() as client:
+
+        def load(**body: Any) -> Any:
+            return client.post("/v1/load_lora_adapter", json=body)
+
+        cases = [
+            (load(lora_name="a0", lora_path=str(adapters[1])), 400, "already been loaded"),
+            (load(lora_name="x", lora_path=str(adapters[0].parent / "none")), 400, "directory"),
+            (load(lora_name="x", lora_path=str(outside)), 400, "--allowed-lora-paths"),
+            (load(lora_name="smollm2-135m-instruct", lora_path=str(adapters[0])), 400, "base"),
+            (load(lora_name="x"), 400, "lora_path"),
+            (client.post("/v1/unload_lora_adapter", json={"lora_name": "nope"}), 404, "nope"),
+            (
+                client.post(
+                    "/inference/v1/generate",
+                    json={"model": "nope", "token_ids": [1], "sampling_params": {}},
+                ),
+                404,
+                "nope",
+            ),
+        ]
+        for response, status, message in cases:
+            assert response.status_code == status, response.text
+            assert message in response.text
+        sglang = client.post(
+            "/load_lora_adapter", json={"lora_name": "a0", "lora_path": str(adapters[0])}
+        )
+        assert sglang.status_code == 400
+        assert sglang.json()["success"] is False
+        assert "a0" in sglang.json()["loaded_adapters"]
+        wrong = client.post("/generate", json={"input_ids": PROMPT, "lora_path": "nope"})
+        assert wrong.status_code == 400
+    # Nothing changed: a0 still serves.
+    assert _generate(lora_server, "a0", PROMPT)["choices"][0]["token_ids"]
+
+
+def test_sglang_lora_path_names_the_adapter(lora_server: Server) -> None:
+    ids = _generate(lora_server, "a0", PROMPT)["choices"][0]["token_ids"]
+    with lora_server.client() as client:
+        body = {
+            "input_ids": PROMPT,
+            "lora_path": "a0",
+            "sampling_params": {"temperature": 0, "max_new_tokens": 6},
+        }
+        answer = client.post("/generate", json=body).json()
+    assert answer["output_ids"] == ids
