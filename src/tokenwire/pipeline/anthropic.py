@@ -15,7 +15,7 @@ import orjson
 
 from tokenwire.pipeline.choice import Choice
 from tokenwire.pipeline.context import Pipeline
-from tokenwire.pipeline.dialect import arguments_object, chat_body, tool_call_ids
+from tokenwire.pipeline.dialect import ChatDeltas, arguments_object, chat_body, tool_call_ids
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.openai import CompletionRun
 from tokenwire.pipeline.render import render_chat_request
@@ -238,25 +238,19 @@ async def message_events(run: CompletionRun) -> AsyncIterator[dict[str, Any]]:
     start.update(stop_sequence=None, usage=_usage(run, 0))
     yield {"type": "message_start", "message": start}
     blocks = _BlockStream()
-    finish_reason: str | None = None
-    async for chunk in run.chunks():
-        for choice_json in chunk["choices"]:
-            delta = choice_json["delta"]
-            if delta.get("reasoning_content"):
-                for event in blocks.text("thinking", delta["reasoning_content"]):
-                    yield event
-            if delta.get("content"):
-                for event in blocks.text("text", delta["content"]):
-                    yield event
-            for call in delta.get("tool_calls") or ():
-                for event in blocks.tool_use(call):
-                    yield event
-            finish_reason = choice_json["finish_reason"] or finish_reason
+    deltas = ChatDeltas(run)
+    async for part, value in deltas.parts():
+        if part == "tool_call":
+            events = blocks.tool_use(value)
+        else:
+            events = blocks.text("thinking" if part == "reasoning" else "text", value)
+        for event in events:
+            yield event
     for event in blocks.close():
         yield event
     yield {
         "type": "message_delta",
-        "delta": _stop_fields(run.job.choices[0], finish_reason),
+        "delta": _stop_fields(run.job.choices[0], deltas.finish_reason),
         "usage": {"output_tokens": run.job.completion_tokens},
     }
     yield {"type": "message_stop"}

@@ -4,14 +4,19 @@ checked by the chat route's own model, and read tool calls back from its answer.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import AsyncIterator, Iterable
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 from pydantic import ValidationError
 
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.protocol.openai import ChatCompletionRequest
+
+if TYPE_CHECKING:
+    from tokenwire.pipeline.openai import CompletionRun
+
+DeltaPart = Literal["reasoning", "content", "tool_call"]
 
 
 def chat_body(fields: dict[str, Any]) -> ChatCompletionRequest:
@@ -36,3 +41,25 @@ def arguments_object(arguments: str | dict[str, Any]) -> Any:
         with contextlib.suppress(orjson.JSONDecodeError):
             return orjson.loads(arguments)
     return arguments
+
+
+class ChatDeltas:
+    """The chat route's stream read part by part, for a dialect to frame as its own events:
+    reasoning text, content text and tool calls in the order they came; ``finish_reason`` is
+    the last one a chunk gave."""
+
+    def __init__(self, run: CompletionRun) -> None:
+        self.run = run
+        self.finish_reason: str | None = None
+
+    async def parts(self) -> AsyncIterator[tuple[DeltaPart, Any]]:
+        async for chunk in self.run.chunks():
+            for choice in chunk["choices"]:
+                delta = choice["delta"]
+                if delta.get("reasoning_content"):
+                    yield "reasoning", delta["reasoning_content"]
+                if delta.get("content"):
+                    yield "content", delta["content"]
+                for call in delta.get("tool_calls") or ():
+                    yield "tool_call", call
+                self.finish_reason = choice["finish_reason"] or self.finish_reason

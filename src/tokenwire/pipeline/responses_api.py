@@ -14,7 +14,7 @@ from typing import Any
 
 from tokenwire.parsers.think import THINK_CLOSE
 from tokenwire.pipeline.context import Pipeline
-from tokenwire.pipeline.dialect import chat_body, tool_call_ids
+from tokenwire.pipeline.dialect import ChatDeltas, chat_body, tool_call_ids
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.openai import CompletionRun
 from tokenwire.pipeline.render import render_chat_request
@@ -242,25 +242,19 @@ class ResponseRun:
         stream = _EventStream()
         yield stream.event("response.created", response=self.envelope("in_progress", []))
         yield stream.event("response.in_progress", response=self.envelope("in_progress", []))
-        finish_reason: str | None = None
-        async for chunk in self.run.chunks():
-            for choice in chunk["choices"]:
-                delta = choice["delta"]
-                if delta.get("reasoning_content"):
-                    for event in stream.text("reasoning", delta["reasoning_content"]):
-                        yield event
-                if delta.get("content"):
-                    for event in stream.text("message", delta["content"]):
-                        yield event
-                for call in delta.get("tool_calls") or ():
-                    for event in stream.call(call):
-                        yield event
-                finish_reason = choice["finish_reason"] or finish_reason
+        deltas = ChatDeltas(self.run)
+        async for part, value in deltas.parts():
+            if part == "tool_call":
+                events = stream.call(value)
+            else:
+                events = stream.text("reasoning" if part == "reasoning" else "message", value)
+            for event in events:
+                yield event
         for event in stream.close():
             yield event
         # Always response.completed, its status incomplete when cut by max_output_tokens, as
         # vLLM ends the stream (the SDK's get_final_response() then reads it).
-        status = _status(finish_reason)
+        status = _status(deltas.finish_reason)
         yield stream.event("response.completed", response=self.envelope(status, stream.output))
 
 
