@@ -213,6 +213,31 @@ def _start(
 
 
 @pytest.fixture(scope="session")
+def smol_dir() -> Path:
+    """The embedded default model's directory (built on first use)."""
+    from tokenwire.assets import prepare
+
+    return Path(prepare("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smol_dir: Path) -> Any:
+    """SmolLM2's transformers tokenizer (the reference the engine tests compare against)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smol_dir)
+
+
+@pytest.fixture(scope="session")
+def ref_model(smol_dir: Path) -> Any:
+    """SmolLM2 in float32 as a trainer loads it: one forward is the parity reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def smollm2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The embedded default, started with no arguments but the port."""
     yield from _start(tmp_path_factory, "smollm2", [])

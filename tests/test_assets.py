@@ -294,11 +294,6 @@ def test_qwen2_vl_logits_depend_on_image(vl_dir: Path) -> None:
 # --------------------------------------------------------------------------- smollm2
 
 
-@pytest.fixture(scope="module")
-def smol_dir() -> Path:
-    return prepare("smollm2-135m-instruct")
-
-
 def test_smollm2_files(smol_dir: Path) -> None:
     from transformers import AutoTokenizer
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from tests.conftest import run_async, start_engine
 from tokenwire.assets import prepare
@@ -61,21 +61,6 @@ async def collect(engine: HFEngine, rid: str, prompt: list[int], sp: SamplingPar
 
 
 run = run_async  # one loop for all engine calls (see conftest)
-
-
-@pytest.fixture(scope="module")
-def smol_dir() -> Path:
-    return Path(prepare("smollm2-135m-instruct"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(smol_dir: Path) -> AutoTokenizer:
-    return AutoTokenizer.from_pretrained(smol_dir)
-
-
-@pytest.fixture(scope="module")
-def ref_model(smol_dir: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from tests.conftest import run_async
 from tests.test_engine_hf import Result, assert_parity, chat, collect, full_logprobs
@@ -25,21 +25,6 @@ pytestmark = [pytest.mark.hf_only, pytest.mark.model]
 
 run = run_async
 CHUNK = 32  # small, so that short prompts (cheap to check) take several chunks
-
-
-@pytest.fixture(scope="module")
-def smol_dir() -> Path:
-    return Path(prepare("smollm2-135m-instruct"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(smol_dir: Path) -> AutoTokenizer:
-    return AutoTokenizer.from_pretrained(smol_dir)
-
-
-@pytest.fixture(scope="module")
-def ref_model(smol_dir: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
