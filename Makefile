@@ -56,6 +56,7 @@ bench: install
 	$(PY) bench/bench_engines.py
 	$(PY) bench/bench_rl_shapes.py
 	$(PY) bench/bench_weight_transfer.py
+	$(PY) bench/bench_lora.py
 	$(PY) bench/bench_media.py
 	$(PY) bench/bench_media_limits.py
 	$(PY) bench/bench_request_templates.py
