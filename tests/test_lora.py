@@ -90,6 +90,37 @@ def test_mixed_batch_matches_peft(adapters: list[Path]) -> None:
     assert torch.allclose(cleared[2], served[0], atol=1e-5)  # slot 2 serves the base again
 
 
+def test_qwen3_batch_matches_peft(tmp_path: Path) -> None:
+    """The same on qwen3-tiny (its q/k norms and tied embeddings): base and adapter rows of one
+    batch equal PEFT's forward."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tokenwire.assets import prepare
+
+    qwen3 = prepare("qwen3-tiny")
+
+    def load() -> torch.nn.Module:
+        return AutoModelForCausalLM.from_pretrained(qwen3, dtype=torch.float32).eval()
+
+    torch.manual_seed(3)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS[1] + TARGETS[2])
+    config.init_lora_weights = False
+    get_peft_model(load(), config).save_pretrained(tmp_path)
+    ids = torch.tensor([[1, 504, 3458, 314, 260, 1345, 28, 30]] * 2)
+    model = load()
+    slots = AdapterSlots(model, max_loras=1, max_rank=8)
+    slots.put(1, slots.read(tmp_path))
+    slots.rows = torch.tensor([0, 1])
+    with torch.inference_mode():
+        served = torch.log_softmax(model(input_ids=ids).logits, -1)
+        base = torch.log_softmax(load()(input_ids=ids).logits[0], -1)
+        adapted = PeftModel.from_pretrained(load(), tmp_path).eval()(input_ids=ids).logits[1]
+    assert (served[0] - base).abs().max() <= 1e-4
+    assert (served[1] - torch.log_softmax(adapted, -1)).abs().max() <= 1e-4
+    assert (served[1] - served[0]).abs().max() > 1e-3
+
+
 def _write(path: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
     path.mkdir()
     (path / CONFIG_FILE).write_text(json.dumps(config))
