@@ -139,6 +139,16 @@ def test_history_renders_as_the_chat_route(fast_qwen3: FastApp) -> None:
         ({"input": WEATHER, "tools": [{"type": "web_search"}]}, "tools"),
         ({"input": []}, "input"),
         ({"input": WEATHER, "text": {"format": {"type": "json_schema"}}}, "text.format"),
+        # Echoed in the answer: a value it could not serialise was a 500 (found by fuzzing).
+        ({"input": WEATHER, "metadata": {"a": -(2**65)}}, "metadata.a"),
+        ({"input": WEATHER, "metadata": {str(i): "x" for i in range(17)}}, "metadata"),
+        (
+            {
+                "input": WEATHER,
+                "tools": [{"type": "function", "name": "f", "parameters": {"maximum": 2**70}}],
+            },
+            "64 bits",
+        ),
     ],
 )
 def test_malformed_requests_are_400(

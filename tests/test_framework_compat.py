@@ -347,7 +347,7 @@ def test_trl_reads_the_resolved_config_from_server_info(rl: httpx.Client) -> Non
     assert config["model_config"]["max_model_len"] == max_model_len
     assert config["scheduler_config"]["max_num_seqs"] == 64
     assert config["parallel_config"]["world_size"] == ok(rl.get("/get_world_size"))["world_size"]
-    assert config["weight_transfer_config"] is None
+    assert config["weight_transfer_config"] == {"backend": "gloo", "timeout_s": 20.0}  # as given
     assert set(info) == {"vllm_config", "vllm_env", "system_env"}
     # vLLM's default is the config as text.
     text = ok(rl.get("/server_info"))["vllm_config"]

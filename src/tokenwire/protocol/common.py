@@ -8,9 +8,9 @@ the serializer or the engine's batch.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 INT64_MAX = 2**63 - 1
 # Beyond these, float32 logits overflow (inf / NaN) or the value means nothing more.
@@ -27,6 +27,27 @@ MinP = Annotated[float, Field(ge=0.0, le=1.0)]
 TopK = Annotated[int, Field(ge=-1, le=INT64_MAX)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)]
+
+
+def _int64_integers(value: Any) -> Any:
+    """Refuse a JSON value with an integer beyond 64 bits anywhere in it: an answer that echoes
+    it could not be serialised (orjson, and most clients' parsers, stop at 64 bits)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, bool):
+            continue
+        if isinstance(item, int) and not -(2**63) <= item <= INT64_MAX:
+            raise ValueError("integers must fit in 64 bits")
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return value
+
+
+# Client JSON an answer echoes back as given (a Responses request's tools, say).
+EchoedJson = Annotated[Any, AfterValidator(_int64_integers)]
 # vLLM's: prefix-cache blocks are shared only by requests with the same salt; empty is a 400.
 CacheSalt = Annotated[str, Field(min_length=1)]
 

@@ -11,7 +11,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from tokenwire.protocol.common import NonNegativeInt64, RequestModel, Temperature, TopP
+from tokenwire.protocol.common import (
+    EchoedJson,
+    NonNegativeInt64,
+    RequestModel,
+    Temperature,
+    TopP,
+)
 
 
 class InputText(RequestModel):
@@ -77,7 +83,7 @@ class FunctionTool(RequestModel):
     type: Literal["function"]
     name: str = Field(min_length=1)
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: dict[str, EchoedJson] | None = None  # echoed in the answer's ``tools``
     strict: bool | None = None
 
 
@@ -101,7 +107,10 @@ class ResponsesRequest(RequestModel):
     store: bool | None = None
     previous_response_id: str | None = None
     parallel_tool_calls: bool | None = None
-    metadata: dict[str, Any] | None = None
+    # OpenAI's: up to 16 string pairs (echoed in the answer).
+    metadata: (
+        dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None
+    ) = Field(default=None, max_length=16)
     text: TextConfig | None = None
 
 
