@@ -19,8 +19,9 @@ prefill: so the n choices of a request (n engine requests with one prompt) prefi
 the others take it from the cache. Prompts with images bypass the cache; seeded requests and
 prompt-logprob requests store their blocks but never read them (see ``_next_group``).
 
-Control commands (pause, resume, new weights, a new weight version) are applied between steps
-in the order they arrive, so every token is sampled by exactly one weight version.
+Control commands (pause, resume, new weights, a new weight version, LoRA adapter loads and
+unloads) are applied between steps in the order they arrive, so every token is sampled by
+exactly one weight version; a request is pinned to the adapter version loaded when it arrived.
 """
 
 from __future__ import annotations
@@ -245,8 +246,7 @@ class Scheduler:
         """Put an adapter version in a slot no request and no other adapter uses; the version it
         replaces keeps its slot while requests pinned to it run."""
         slots = self.runner.adapters
-        if slots is None:
-            raise WeightsError("LoRA is off (start the server with --enable-lora)")
+        assert slots is not None, "HFEngine.load_adapter refuses a load with LoRA off"
         busy = {r.adapter_slot for r in (*self.running, *self.waiting)}
         busy |= {live.slot for name, live in self.adapters.items() if name != cmd.name}
         slot = next((s for s in range(1, slots.max_loras + 1) if s not in busy), None)

@@ -81,11 +81,9 @@ class OutputState:
         it finished: the final output carries the spans instead).
         """
         completion = output.outputs[0]
-        if not self.track_versions:
-            pass
-        elif completion.weight_versions:
+        if self.track_versions and completion.weight_versions:
             self.starts = [(span.version, span.start) for span in completion.weight_versions]
-        elif live_starts:
+        elif self.track_versions and live_starts:
             self.starts = list(live_starts)
         tokens = list(completion.token_ids)
         k = self.sampling.logprobs
