@@ -392,3 +392,19 @@ def test_sglang_lora_path_names_the_adapter(lora_server: Server) -> None:
         }
         answer = client.post("/generate", json=body).json()
     assert answer["output_ids"] == ids
+
+
+def test_skyrl_loads_in_place_by_name(lora_server: Server, adapters: list[Path]) -> None:
+    """SkyRL's RemoteInferenceClient.load_lora_adapter body, twice under one name: each call
+    replaces the adapter in place (its trainer rewrites the files every step)."""
+    with lora_server.client() as client:
+        for path in adapters[1:]:
+            body = {"lora_name": "skyrl-policy", "lora_path": str(path)}
+            response = client.post("/skyrl/v1/load_lora_adapter", json=body)
+            assert response.status_code == 200, response.text
+            assert response.text == "Success: LoRA adapter 'skyrl-policy' added successfully."
+    choice = _generate(lora_server, "skyrl-policy", PROMPT)["choices"][0]
+    served = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+    expected = _trainer_logprobs(adapters[2], PROMPT, choice["token_ids"])  # the last one loaded
+    assert max(abs(a - b) for a, b in zip(served, expected, strict=True)) <= 1e-4
+    assert choice["weight_versions"][0]["version"].startswith("skyrl-policy@")
