@@ -238,7 +238,8 @@ async def continue_generation(request: Request) -> Response:
     return OrjsonResponse({"message": "Generation continued.", "status": "ok"})
 
 
-@router.api_route("/release_memory_occupation", methods=["GET", "POST"], responses=_SGLANG_NULL)
+@router.get("/release_memory_occupation", responses=_SGLANG_NULL)
+@router.post("/release_memory_occupation", responses=_SGLANG_NULL)
 async def release_memory_occupation(
     request: Request, body: MemoryOccupationBody | None = None
 ) -> Response:
@@ -248,7 +249,8 @@ async def release_memory_occupation(
     return OrjsonResponse(None)
 
 
-@router.api_route("/resume_memory_occupation", methods=["GET", "POST"], responses=_SGLANG_NULL)
+@router.get("/resume_memory_occupation", responses=_SGLANG_NULL)
+@router.post("/resume_memory_occupation", responses=_SGLANG_NULL)
 async def resume_memory_occupation(
     request: Request, body: MemoryOccupationBody | None = None
 ) -> Response:
@@ -256,7 +258,8 @@ async def resume_memory_occupation(
     return OrjsonResponse(None)
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"], response_class=PlainTextResponse)
+@router.get("/flush_cache", response_class=PlainTextResponse)
+@router.post("/flush_cache", response_class=PlainTextResponse)
 async def flush_cache(request: Request, timeout: Annotated[float, Query(ge=0.0)] = 0.0) -> Response:
     """SGLang's name for resetting the prefix cache, answered with SGLang's text."""
     if not await control.flush_cache(pipeline_of(request), timeout):
