@@ -38,7 +38,7 @@ VLLM_CPU_UNSUPPORTED = ("qwen3-tiny", "qwen2-vl-tiny")
 MODEL_FIXTURES = frozenset(
     {
         *("smollm2_server", "qwen3_server", "rl_server", "qwen2vl_server", "qwen2vl_strict_server"),
-        "control_server",
+        *("control_server", "lora_server", "lora_adapters"),
         *("engine", "tiny_engine", "vl_engine", "ref_model", "vl_model", "smollm2_model"),
     }
 )
@@ -231,10 +231,7 @@ def tokenizer(smol_dir: Path) -> Any:
 @pytest.fixture(scope="session")
 def ref_model(smol_dir: Path) -> Any:
     """SmolLM2 in float32 as a trainer loads it: one forward is the parity reference."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
+    return smollm2_float32(smol_dir)
 
 
 @pytest.fixture(scope="session")
@@ -263,6 +260,58 @@ def control_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]
     (``API_KEY``) and a control key the router does not hold."""
     args = [*RL_SERVER_ARGS, "--control-api-key", CONTROL_KEY]
     yield from _start(tmp_path_factory, "control", args, api_key=API_KEY)
+
+
+# The PEFT adapters of ``lora_adapters``: targets, and r = 4, 8, 12 (the last with rsLoRA).
+LORA_TARGETS = (["q_proj", "v_proj"], ["q_proj", "k_proj", "o_proj"], ["gate_proj", "down_proj"])
+
+
+def smollm2_float32(smol_dir: Path) -> Any:
+    """A fresh SmolLM2 in float32 (PEFT wraps the model it is given: one per adapter)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> list[Path]:
+    """Three PEFT adapters of SmolLM2 (random lora_B, so each changes the model), saved by
+    PEFT into one directory."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    root = tmp_path_factory.mktemp("adapters")
+    paths = []
+    for i, targets in enumerate(LORA_TARGETS):
+        torch.manual_seed(i)
+        config = LoraConfig(
+            r=4 + 4 * i,
+            lora_alpha=16,
+            target_modules=targets,
+            init_lora_weights=False,
+            use_rslora=i == 2,
+        )
+        path = root / f"adapter{i}"
+        get_peft_model(smollm2_float32(smol_dir), config).save_pretrained(path)
+        paths.append(path)
+    return paths
+
+
+@pytest.fixture(scope="session")
+def lora_server(
+    tmp_path_factory: pytest.TempPathFactory, lora_adapters: list[Path]
+) -> Iterator[Server]:
+    """SmolLM2 with LoRA on: ``a0`` loaded at start-up, adapters from disk only under their
+    directory, and from a trainer's group (gloo)."""
+    allowed = lora_adapters[0].parent
+    args = [
+        *("--enable-rl-control", "--enable-lora", "--max-loras", "5", "--max-lora-rank", "16"),
+        *("--lora-modules", f"a0={lora_adapters[0]}", "--allowed-lora-paths", str(allowed)),
+        *("--max-logprobs", "-1", "--max-num-batched-tokens", "64"),
+        *("--weight-transfer-config", '{"backend": "gloo", "timeout_s": 20}'),
+    ]
+    yield from _start(tmp_path_factory, "lora", args, api_key=API_KEY)
 
 
 @pytest.fixture(scope="session")

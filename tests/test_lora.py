@@ -6,7 +6,6 @@ import functools
 import json
 import re
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -15,42 +14,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.conftest import API_KEY, Server, _start
+from tests.conftest import LORA_TARGETS, Server, smollm2_float32
 from tokenwire.engine.base import WeightsError
 from tokenwire.engine.hf.lora import CONFIG_FILE, WEIGHTS_FILE, AdapterSlots
 
 pytestmark = pytest.mark.model
 SMOLLM2 = Path.home() / ".cache/tokenwire/models/smollm2-135m-instruct"
-TARGETS = (["q_proj", "v_proj"], ["q_proj", "k_proj", "o_proj"], ["gate_proj", "down_proj"])
 
 
 def _base() -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def adapters(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    """Three PEFT adapters (random lora_B, so each changes the model), saved by PEFT."""
-    from peft import LoraConfig, get_peft_model
-
-    root = tmp_path_factory.mktemp("adapters")
-    paths = []
-    for i, targets in enumerate(TARGETS):
-        torch.manual_seed(i)
-        config = LoraConfig(
-            r=4 + 4 * i,
-            lora_alpha=16,
-            target_modules=targets,
-            init_lora_weights=False,
-            use_rslora=i == 2,
-        )
-        peft_model = get_peft_model(_base(), config)
-        path = root / f"adapter{i}"
-        peft_model.save_pretrained(path)
-        paths.append(path)
-    return paths
+    return smollm2_float32(SMOLLM2)
 
 
 @functools.cache
@@ -66,19 +39,19 @@ def _peft_logits(path: Path | None, ids: torch.Tensor) -> torch.Tensor:
         return _reference(path)(input_ids=ids).logits
 
 
-def test_mixed_batch_matches_peft(adapters: list[Path]) -> None:
+def test_mixed_batch_matches_peft(lora_adapters: list[Path]) -> None:
     """Base + three adapters in one forward: each row equals PEFT's forward of its adapter."""
     ids = torch.tensor([[1, 504, 3458, 314, 260, 1345, 28, 30]] * 4)
     model = _base()
     slots = AdapterSlots(model, max_loras=4, max_rank=16)
-    for slot, path in enumerate(adapters, start=1):
+    for slot, path in enumerate(lora_adapters, start=1):
         slots.put(slot, slots.read(path))
     slots.rows = torch.tensor([0, 1, 2, 3])
     with torch.inference_mode():
         served = model(input_ids=ids).logits
     # References in the same batch shape: CPU GEMMs of other shapes alone differ by ~1e-4.
     reference = [_peft_logits(None, ids)[0]]
-    reference += [_peft_logits(p, ids)[row] for row, p in enumerate(adapters, start=1)]
+    reference += [_peft_logits(p, ids)[row] for row, p in enumerate(lora_adapters, start=1)]
     for row, expected in enumerate(reference):
         logprobs = torch.log_softmax(served[row], -1)
         assert (logprobs - torch.log_softmax(expected, -1)).abs().max() <= 1e-4
@@ -104,7 +77,7 @@ def test_qwen3_batch_matches_peft(tmp_path: Path) -> None:
         return AutoModelForCausalLM.from_pretrained(qwen3, dtype=torch.float32).eval()
 
     torch.manual_seed(3)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS[1] + TARGETS[2])
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS[1] + LORA_TARGETS[2])
     config.init_lora_weights = False
     get_peft_model(load(), config).save_pretrained(tmp_path)
     ids = torch.tensor([[1, 504, 3458, 314, 260, 1345, 28, 30]] * 2)
@@ -128,7 +101,7 @@ def _write(path: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
     return path
 
 
-def test_bad_adapters_are_refused(tmp_path: Path, adapters: list[Path]) -> None:
+def test_bad_adapters_are_refused(tmp_path: Path, lora_adapters: list[Path]) -> None:
     model = _base()
     slots = AdapterSlots(model, max_loras=2, max_rank=8)
     q = "base_model.model.model.layers.0.self_attn.q_proj"
@@ -136,7 +109,7 @@ def test_bad_adapters_are_refused(tmp_path: Path, adapters: list[Path]) -> None:
     config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8}
     cases = {
         "missing": (tmp_path / "nowhere", "not a directory"),
-        "rank": (adapters[2], "above --max-lora-rank 8"),
+        "rank": (lora_adapters[2], "above --max-lora-rank 8"),
         "target": (
             _write(
                 tmp_path / "target",
@@ -172,18 +145,6 @@ PROMPT = [1, 504, 3458, 314, 260, 1345, 28, 30, 2683, 314, 253, 1789]
 LONG_PROMPT = list(range(1000, 1040))  # 2 full prefix-cache blocks and change
 
 
-@pytest.fixture(scope="module")
-def lora_server(tmp_path_factory: pytest.TempPathFactory, adapters: list[Path]) -> Iterator[Server]:
-    """SmolLM2 with LoRA on: ``a0`` loaded at start-up, adapters only from their parent dir."""
-    allowed = adapters[0].parent
-    args = [
-        *("--enable-rl-control", "--enable-lora", "--max-loras", "5", "--max-lora-rank", "16"),
-        *("--lora-modules", f"a0={adapters[0]}", "--allowed-lora-paths", str(allowed)),
-        *("--max-logprobs", "-1", "--max-num-batched-tokens", "64"),
-    ]
-    yield from _start(tmp_path_factory, "lora", args, api_key=API_KEY)
-
-
 def _generate(server: Server, model: str | None, ids: list[int], **sampling: Any) -> dict:
     body: dict[str, Any] = {
         "token_ids": ids,
@@ -212,10 +173,12 @@ def _load(server: Server, name: str, path: Path, **extra: Any) -> Any:
         )
 
 
-def test_adapters_served_in_one_batch_equal_peft(lora_server: Server, adapters: list[Path]) -> None:
+def test_adapters_served_in_one_batch_equal_peft(
+    lora_server: Server, lora_adapters: list[Path]
+) -> None:
     """Base and three adapters at once: each answer's logprobs equal a PEFT forward of its ids,
     and each token names its adapter's version."""
-    for i, path in enumerate(adapters[1:], start=1):
+    for i, path in enumerate(lora_adapters[1:], start=1):
         response = _load(lora_server, f"a{i}", path)
         assert response.status_code == 200, response.text
         assert response.text == f"Success: LoRA adapter 'a{i}' added successfully."
@@ -228,7 +191,7 @@ def test_adapters_served_in_one_batch_equal_peft(lora_server: Server, adapters: 
         ids = choice["token_ids"]
         outputs.setdefault(model, ids)
         assert ids == outputs[model]  # the same greedy ids whoever shared the batch
-        path = None if model is None else adapters[int(model[1])]
+        path = None if model is None else lora_adapters[int(model[1])]
         served = [entry["logprob"] for entry in choice["logprobs"]["content"]]
         expected = _trainer_logprobs(path, PROMPT, ids)
         assert max(abs(a - b) for a, b in zip(served, expected, strict=True)) <= 1e-4
@@ -240,10 +203,12 @@ def test_adapters_served_in_one_batch_equal_peft(lora_server: Server, adapters: 
         listed = client.get("/v1/models").json()["data"]
     cards = {card["id"]: card for card in listed}
     assert cards["a2"]["parent"] == "smollm2-135m-instruct"
-    assert cards["a2"]["root"] == str(adapters[2])
+    assert cards["a2"]["root"] == str(lora_adapters[2])
 
 
-def test_chunked_prefill_runs_under_its_adapter(lora_server: Server, adapters: list[Path]) -> None:
+def test_chunked_prefill_runs_under_its_adapter(
+    lora_server: Server, lora_adapters: list[Path]
+) -> None:
     """A prompt longer than one prefill forward (64 tokens here) is chunked: every chunk runs
     through the request's adapter, beside a base-model stream."""
     prompt = [(7 * t) % 3000 + 100 for t in range(150)]
@@ -253,7 +218,7 @@ def test_chunked_prefill_runs_under_its_adapter(lora_server: Server, adapters: l
         base.result()
     choice = answer["choices"][0]
     served = [entry["logprob"] for entry in choice["logprobs"]["content"]]
-    expected = _trainer_logprobs(adapters[0], prompt, choice["token_ids"])
+    expected = _trainer_logprobs(lora_adapters[0], prompt, choice["token_ids"])
     assert max(abs(a - b) for a, b in zip(served, expected, strict=True)) <= 1e-4
 
 
@@ -311,15 +276,15 @@ class _Stream:
         return [t for chunk in self.chunks for c in chunk["choices"] for t in c["token_ids"]]
 
 
-def test_swap_and_unload_while_requests_run(lora_server: Server, adapters: list[Path]) -> None:
+def test_swap_and_unload_while_requests_run(lora_server: Server, lora_adapters: list[Path]) -> None:
     """An in-place swap and an unload while streams run: none fails, each keeps the version
     it started under, and later requests see the new version (or a 404)."""
-    response = _load(lora_server, "swap", adapters[0], weight_version="v1")
+    response = _load(lora_server, "swap", lora_adapters[0], weight_version="v1")
     assert response.status_code == 200, response.text
     streams = [_Stream(lora_server, "swap") for _ in range(3)]
     for stream in streams:
         assert stream.started.wait(600)
-    response = _load(lora_server, "swap", adapters[1], load_inplace=True, weight_version="v2")
+    response = _load(lora_server, "swap", lora_adapters[1], load_inplace=True, weight_version="v2")
     assert response.status_code == 200, response.text
     after = _generate(lora_server, "swap", PROMPT)
     assert after["choices"][0]["weight_versions"][0]["version"] == "v2"
@@ -339,11 +304,11 @@ def test_swap_and_unload_while_requests_run(lora_server: Server, adapters: list[
     # The swapped-in version's logprobs equal PEFT's forward of that adapter.
     choice = after["choices"][0]
     served = [entry["logprob"] for entry in choice["logprobs"]["content"]]
-    expected = _trainer_logprobs(adapters[1], PROMPT, choice["token_ids"])
+    expected = _trainer_logprobs(lora_adapters[1], PROMPT, choice["token_ids"])
     assert max(abs(a - b) for a, b in zip(served, expected, strict=True)) <= 1e-4
 
 
-def test_lora_bad_input(lora_server: Server, adapters: list[Path], tmp_path: Path) -> None:
+def test_lora_bad_input(lora_server: Server, lora_adapters: list[Path], tmp_path: Path) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()
     with lora_server.client() as client:
@@ -352,10 +317,14 @@ def test_lora_bad_input(lora_server: Server, adapters: list[Path], tmp_path: Pat
             return client.post("/v1/load_lora_adapter", json=body)
 
         cases = [
-            (load(lora_name="a0", lora_path=str(adapters[1])), 400, "already been loaded"),
-            (load(lora_name="x", lora_path=str(adapters[0].parent / "none")), 400, "directory"),
+            (load(lora_name="a0", lora_path=str(lora_adapters[1])), 400, "already been loaded"),
+            (
+                load(lora_name="x", lora_path=str(lora_adapters[0].parent / "none")),
+                400,
+                "directory",
+            ),
             (load(lora_name="x", lora_path=str(outside)), 400, "--allowed-lora-paths"),
-            (load(lora_name="smollm2-135m-instruct", lora_path=str(adapters[0])), 400, "base"),
+            (load(lora_name="smollm2-135m-instruct", lora_path=str(lora_adapters[0])), 400, "base"),
             (load(lora_name="x"), 400, "lora_path"),
             (client.post("/v1/unload_lora_adapter", json={"lora_name": "nope"}), 404, "nope"),
             (
@@ -371,7 +340,7 @@ def test_lora_bad_input(lora_server: Server, adapters: list[Path], tmp_path: Pat
             assert response.status_code == status, response.text
             assert message in response.text
         sglang = client.post(
-            "/load_lora_adapter", json={"lora_name": "a0", "lora_path": str(adapters[0])}
+            "/load_lora_adapter", json={"lora_name": "a0", "lora_path": str(lora_adapters[0])}
         )
         assert sglang.status_code == 400
         assert sglang.json()["success"] is False
@@ -394,17 +363,19 @@ def test_sglang_lora_path_names_the_adapter(lora_server: Server) -> None:
     assert answer["output_ids"] == ids
 
 
-def test_skyrl_loads_in_place_by_name(lora_server: Server, adapters: list[Path]) -> None:
+def test_skyrl_loads_in_place_by_name(lora_server: Server, lora_adapters: list[Path]) -> None:
     """SkyRL's RemoteInferenceClient.load_lora_adapter body, twice under one name: each call
     replaces the adapter in place (its trainer rewrites the files every step)."""
     with lora_server.client() as client:
-        for path in adapters[1:]:
+        for path in lora_adapters[1:]:
             body = {"lora_name": "skyrl-policy", "lora_path": str(path)}
             response = client.post("/skyrl/v1/load_lora_adapter", json=body)
             assert response.status_code == 200, response.text
             assert response.text == "Success: LoRA adapter 'skyrl-policy' added successfully."
     choice = _generate(lora_server, "skyrl-policy", PROMPT)["choices"][0]
     served = [entry["logprob"] for entry in choice["logprobs"]["content"]]
-    expected = _trainer_logprobs(adapters[2], PROMPT, choice["token_ids"])  # the last one loaded
+    expected = _trainer_logprobs(
+        lora_adapters[2], PROMPT, choice["token_ids"]
+    )  # the last one loaded
     assert max(abs(a - b) for a, b in zip(served, expected, strict=True)) <= 1e-4
     assert choice["weight_versions"][0]["version"].startswith("skyrl-policy@")

@@ -8,7 +8,7 @@ again; they check only what is theirs (media tensors, duplicate ids, being up).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -170,6 +170,16 @@ class WeightUpdate:
     buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterTensors:
+    """A PEFT LoRA adapter in memory, as a trainer sends it without writing it to disk: the
+    fields of its ``adapter_config.json`` and its factors under PEFT's names
+    (``base_model.model.<module>.lora_A.weight``; torch tensors)."""
+
+    config: Mapping[str, Any]
+    tensors: Mapping[str, Any]
+
+
 class Engine(Protocol):
     """What every engine provides."""
 
@@ -268,10 +278,24 @@ class Engine(Protocol):
 
     # -- LoRA adapters (engines whose ``features`` hold "lora") -------------------------------
 
-    async def load_adapter(self, name: str, path: Path, version: str) -> None:
-        """Load (or, when ``name`` is loaded, replace) a PEFT adapter; ``WeightsError`` if it does
-        not fit and nothing changes. Running requests of a replaced version finish under it;
-        tokens of requests that arrive afterwards carry ``version``."""
+    async def load_adapter(self, name: str, source: Path | AdapterTensors, version: str) -> None:
+        """Load (or, when ``name`` is loaded, replace) a PEFT adapter from its directory or from
+        memory; ``WeightsError`` if it does not fit and nothing changes. Running requests of a
+        replaced version finish under it; tokens of requests that arrive afterwards carry
+        ``version``."""
+        ...
+
+    def check_adapter_update(
+        self, config: Mapping[str, Any], tensors: Sequence[TensorMeta]
+    ) -> None:
+        """``WeightsError`` unless each tensor is a LoRA factor the model can take under
+        ``config`` (an adapter's tensors may come in several updates: whether every factor came
+        is checked when it loads); nothing is received before this passes."""
+        ...
+
+    async def receive_tensors(self, update: WeightUpdate) -> dict[str, Any]:
+        """Receive ``update`` into new tensors (an adapter's: the model is untouched), off the
+        engine thread; ``WeightTransferError`` when the broadcast breaks off."""
         ...
 
     async def unload_adapter(self, name: str) -> None:

@@ -11,13 +11,14 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tokenwire.engine.base import (
+    AdapterTensors,
     EngineError,
     EngineFeature,
     EngineOutput,
@@ -50,6 +51,7 @@ from tokenwire.engine.hf.handoff import (
     Stop,
     UnloadAdapter,
 )
+from tokenwire.engine.hf.lora import AdapterSlots
 from tokenwire.engine.hf.multimodal import RequestMedia, VisionSpec, check_media
 from tokenwire.engine.hf.prefix_cache import salt_key
 from tokenwire.engine.hf.runner import ModelRunner
@@ -361,14 +363,30 @@ class HFEngine:
         """Forget every cached block (always succeeds: running rows keep their own KV)."""
         return bool(await self._command(ResetPrefixCache))
 
-    async def load_adapter(self, name: str, path: Path, version: str) -> None:
+    async def load_adapter(self, name: str, source: Path | AdapterTensors, version: str) -> None:
         """Read and check the adapter on a worker thread, then put it in a slot between steps."""
+        slots = self._adapter_slots()
+        if isinstance(source, AdapterTensors):
+            weights = await asyncio.to_thread(slots.check, source)
+        else:
+            weights = await asyncio.to_thread(slots.read, Path(source))
+        await self._command(lambda reply: LoadAdapter(name, weights, version, reply))
+        self._adapter_names.add(name)
+
+    def check_adapter_update(
+        self, config: Mapping[str, Any], tensors: Sequence[TensorMeta]
+    ) -> None:
+        self._adapter_slots().check_update(config, tensors)
+
+    async def receive_tensors(self, update: WeightUpdate) -> dict[str, Any]:
+        """On a worker thread: requests go on while an adapter's factors come."""
+        return await asyncio.to_thread(self._receiver.receive_tensors, update)
+
+    def _adapter_slots(self) -> AdapterSlots:
         slots = self._runner.adapters
         if slots is None:
             raise WeightsError("LoRA is off (start the server with --enable-lora)")
-        weights = await asyncio.to_thread(slots.read, Path(path))
-        await self._command(lambda reply: LoadAdapter(name, weights, version, reply))
-        self._adapter_names.add(name)
+        return slots
 
     async def unload_adapter(self, name: str) -> None:
         self._adapter_names.discard(name)  # first: no request queued after this asks for it

@@ -1,31 +1,32 @@
-"""LoRA adapters in PEFT's on-disk format, served per row of one batch.
+"""LoRA adapters in PEFT's format, served per row of one batch.
 
-An adapter directory holds ``adapter_config.json`` and ``adapter_model.safetensors`` (what
-``peft``'s ``save_pretrained`` writes). ``read_adapter`` checks it against the model before
-anything changes; ``AdapterSlots`` keeps up to ``max_loras`` adapters stacked per target module,
-and each target ``nn.Linear`` adds ``scaling * B_s A_s x`` for its row's slot ``s`` (slot 0 is
-the base model: no delta). Several adapters and the base share one forward that way (the
-batched gather-matmul vLLM calls punica), and a new version of an adapter loads into a free slot
-while rows of the old one finish under it.
+An adapter comes from its directory (``adapter_files``: what ``peft``'s ``save_pretrained``
+writes; ``read_adapter``) or from a trainer's memory as the same config and tensors;
+``check_adapter`` checks it against the model before anything changes. ``AdapterSlots`` keeps
+up to ``max_loras`` adapters stacked per target module, and each target ``nn.Linear`` adds
+``scaling * B_s A_s x`` for its row's slot ``s`` (slot 0 is the base model: no delta). Several
+adapters and the base share one forward that way (the batched gather-matmul vLLM calls punica),
+and a new version of an adapter loads into a free slot while rows of the old one finish under
+it.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tokenwire.engine.base import WeightsError
+from tokenwire import adapter_files
+from tokenwire.adapter_files import CONFIG_FILE, WEIGHTS_FILE
+from tokenwire.engine.base import AdapterTensors, WeightsError
 from tokenwire.engine.hf.checkpoint import all_finite, read_safetensors
+from tokenwire.weight_transfer import TensorMeta
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 # PEFT names a module's factors "<prefix><module path>.lora_A.weight" / ".lora_B.weight".
 _PEFT_PREFIX = "base_model.model."
 # adapter_config.json fields whose non-default values change the math served here.
@@ -41,7 +42,7 @@ _UNSUPPORTED: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class AdapterWeights:
-    """One adapter read from disk and checked: per target module (the model's module path),
+    """One adapter checked against the model: per target module (the model's module path),
     ``A`` [r, in] and ``B`` [out, r] with the scaling folded into ``B``."""
 
     rank: int
@@ -64,75 +65,87 @@ def target_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     }
 
 
-def read_adapter(
-    path: Path, linears: dict[str, torch.nn.Linear], *, max_rank: int, dtype: torch.dtype
+def read_adapter(path: Path) -> AdapterTensors:
+    """A PEFT adapter directory, read into memory (checked by ``check_adapter``)."""
+    try:
+        config = adapter_files.read_config(path)
+    except adapter_files.AdapterFileError as exc:
+        raise WeightsError(str(exc)) from exc
+    file = path / WEIGHTS_FILE
+    if not file.is_file():
+        raise WeightsError(f"{path} has no {WEIGHTS_FILE}")
+    # Read into memory while the file is open, as checkpoints are (a trainer rewriting the
+    # adapter it saves each step must not fault the server).
+    return AdapterTensors(config, read_safetensors(file))
+
+
+def check_adapter(
+    adapter: AdapterTensors,
+    linears: dict[str, torch.nn.Linear],
+    *,
+    max_rank: int,
+    dtype: torch.dtype,
 ) -> AdapterWeights:
-    """Read a PEFT LoRA adapter and check it fits the model; ``WeightsError`` says why not."""
-    config = _read_config(path)
+    """Check a PEFT LoRA adapter fits the model; ``WeightsError`` says why not."""
+    config = adapter.config
+    rank, scaling = check_config(config, max_rank=max_rank)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in adapter.tensors.items():
+        module, factor = check_factor(key, tuple(tensor.shape), config, rank, linears)
+        if not all_finite(tensor):
+            raise WeightsError(f"{module}.{factor} holds NaN or infinite values")
+        pairs.setdefault(module, {})[factor] = tensor
+    if not pairs:
+        raise WeightsError("the adapter holds no LoRA factors")
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module, pair in sorted(pairs.items()):
+        if set(pair) != {"lora_A", "lora_B"}:
+            raise WeightsError(f"{module}: needs both lora_A and lora_B, has {sorted(pair)}")
+        a, b = pair["lora_A"], pair["lora_B"]
+        if config.get("fan_in_fan_out"):
+            a, b = a.T, b.T
+        factors[module] = (a.to(dtype).contiguous(), (b.to(torch.float32) * scaling).to(dtype))
+    return AdapterWeights(rank=rank, factors=factors)
+
+
+def check_config(config: Mapping[str, Any], *, max_rank: int) -> tuple[int, float]:
+    """An adapter config's rank and scaling, if it is a LoRA this server serves."""
+    if config.get("peft_type", "LORA") != "LORA":
+        raise WeightsError(f"only LoRA adapters are served, not {config.get('peft_type')!r}")
+    for field, default in _UNSUPPORTED.items():
+        if config.get(field, default) not in (default, None, {}, False, "none"):
+            raise WeightsError(f"{CONFIG_FILE}: {field}={config[field]!r} is not supported")
     rank = config.get("r")
-    if not isinstance(rank, int) or rank < 1:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise WeightsError(f"{CONFIG_FILE}: r must be a positive integer, got {rank!r}")
     if rank > max_rank:
         raise WeightsError(f"the adapter's rank {rank} is above --max-lora-rank {max_rank}")
     alpha = config.get("lora_alpha", rank)
     if not isinstance(alpha, int | float) or isinstance(alpha, bool):
         raise WeightsError(f"{CONFIG_FILE}: lora_alpha must be a number, got {alpha!r}")
-    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    tensors = _read_tensors(path / WEIGHTS_FILE)
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        module, factor = _split_key(key)
-        pairs.setdefault(module, {})[factor] = tensor
-    if not pairs:
-        raise WeightsError(f"{WEIGHTS_FILE} holds no LoRA factors")
-    factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for module, pair in sorted(pairs.items()):
-        linear = linears.get(module)
-        if linear is None:
-            raise WeightsError(f"the adapter targets {module}, which is not a linear of the model")
-        if set(pair) != {"lora_A", "lora_B"}:
-            raise WeightsError(f"{module}: needs both lora_A and lora_B, has {sorted(pair)}")
-        a, b = pair["lora_A"], pair["lora_B"]
-        if config.get("fan_in_fan_out"):
-            a, b = a.T, b.T
-        expected = {"lora_A": (rank, linear.in_features), "lora_B": (linear.out_features, rank)}
-        for factor, tensor in (("lora_A", a), ("lora_B", b)):
-            if tuple(tensor.shape) != expected[factor]:
-                raise WeightsError(
-                    f"{module}.{factor} has shape {tuple(tensor.shape)}; with r={rank} the "
-                    f"model needs {expected[factor]}"
-                )
-            if not all_finite(tensor):
-                raise WeightsError(f"{module}.{factor} holds NaN or infinite values")
-        factors[module] = (a.to(dtype).contiguous(), (b.to(torch.float32) * scaling).to(dtype))
-    return AdapterWeights(rank=rank, factors=factors)
+    return rank, alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
-def _read_config(path: Path) -> dict[str, Any]:
-    if not path.is_dir():
-        raise WeightsError(f"{path} is not a directory")
-    try:
-        config = json.loads((path / CONFIG_FILE).read_text())
-    except FileNotFoundError as exc:
-        raise WeightsError(f"{path} has no {CONFIG_FILE}") from exc
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise WeightsError(f"{CONFIG_FILE} cannot be read: {exc}") from exc
-    if not isinstance(config, dict):
-        raise WeightsError(f"{CONFIG_FILE} must hold a JSON object")
-    if config.get("peft_type", "LORA") != "LORA":
-        raise WeightsError(f"only LoRA adapters are served, not {config.get('peft_type')!r}")
-    for field, default in _UNSUPPORTED.items():
-        if config.get(field, default) not in (default, None, {}, False, "none"):
-            raise WeightsError(f"{CONFIG_FILE}: {field}={config[field]!r} is not supported")
-    return config
-
-
-def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
-    """Read into memory while the file is open, as checkpoints are (a trainer rewriting the
-    adapter it saves each step must not fault the server)."""
-    if not file.is_file():
-        raise WeightsError(f"{file.parent} has no {WEIGHTS_FILE}")
-    return read_safetensors(file)
+def check_factor(
+    key: str,
+    shape: tuple[int, ...],
+    config: Mapping[str, Any],
+    rank: int,
+    linears: dict[str, torch.nn.Linear],
+) -> tuple[str, str]:
+    """The (module, ``lora_A``/``lora_B``) a tensor named ``key`` of ``shape`` is, if it fits."""
+    module, factor = _split_key(key)
+    linear = linears.get(module)
+    if linear is None:
+        raise WeightsError(f"the adapter targets {module}, which is not a linear of the model")
+    expected = (rank, linear.in_features) if factor == "lora_A" else (linear.out_features, rank)
+    if config.get("fan_in_fan_out"):
+        expected = expected[::-1]
+    if shape != expected:
+        raise WeightsError(
+            f"{module}.{factor} has shape {shape}; with r={rank} the model needs {expected}"
+        )
+    return module, factor
 
 
 def _split_key(key: str) -> tuple[str, str]:
@@ -143,7 +156,7 @@ def _split_key(key: str) -> tuple[str, str]:
         head, sep, tail = name.partition(f".{factor}.")
         if sep and tail.endswith("weight"):
             return head, factor
-    raise WeightsError(f"{WEIGHTS_FILE}: {key!r} is not a LoRA factor (lora_A / lora_B)")
+    raise WeightsError(f"{key!r} is not a LoRA factor (lora_A / lora_B)")
 
 
 class AdapterSlots:
@@ -162,8 +175,21 @@ class AdapterSlots:
         self._b: dict[str, torch.Tensor] = {}
         self._used: dict[int, AdapterWeights] = {}
 
+    def check(self, adapter: AdapterTensors) -> AdapterWeights:
+        return check_adapter(adapter, self.linears, max_rank=self.max_rank, dtype=self._dtype)
+
     def read(self, path: Path) -> AdapterWeights:
-        return read_adapter(path, self.linears, max_rank=self.max_rank, dtype=self._dtype)
+        return self.check(read_adapter(path))
+
+    def check_update(self, config: Mapping[str, Any], tensors: Sequence[TensorMeta]) -> None:
+        """Each tensor a trainer announces is a factor of the model under ``config``."""
+        rank, _ = check_config(config, max_rank=self.max_rank)
+        for meta in tensors:
+            check_factor(meta.name, meta.shape, config, rank, self.linears)
+            if not meta.dtype.is_floating_point:
+                raise WeightsError(
+                    f"{meta.name}: LoRA factors are floating point, not {meta.dtype}"
+                )
 
     def put(self, slot: int, adapter: AdapterWeights) -> None:
         """Write ``adapter`` into ``slot``, replacing what it held."""

@@ -70,9 +70,7 @@ class WeightReceiver:
 
     def receive(self, update: WeightUpdate) -> None:
         """On the engine thread: every tensor of ``update``, copied into the model."""
-        group = self._group
-        if group is None:
-            raise WeightTransferError("no weight-transfer group is open")
+        group = self._open_group()
         device = self._runner.device
         try:
             if update.packed:
@@ -94,3 +92,32 @@ class WeightReceiver:
         except Exception as exc:
             self.leave()
             raise WeightTransferError(f"the weight broadcast broke off: {exc}") from exc
+
+    def receive_tensors(self, update: WeightUpdate) -> dict[str, torch.Tensor]:
+        """Every tensor of ``update`` into new tensors (an adapter's factors; any thread: the
+        model is not touched)."""
+        group = self._open_group()
+        device = self._runner.device
+        received: dict[str, torch.Tensor] = {}
+        try:
+            if update.packed:
+                for chunk in packed_chunks(update.tensors, update.buffer_size_bytes):
+                    size = sum(meta.nbytes for meta in chunk)
+                    buffer = torch.empty(size, dtype=torch.uint8, device=device)
+                    broadcast(buffer, group)
+                    received.update(unpack(buffer, chunk))
+            else:
+                for meta in update.tensors:
+                    tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+                    broadcast(tensor, group)
+                    received[meta.name] = tensor
+        except Exception as exc:
+            self.leave()
+            raise WeightTransferError(f"the weight broadcast broke off: {exc}") from exc
+        return received
+
+    def _open_group(self) -> Any:
+        group = self._group
+        if group is None:
+            raise WeightTransferError("no weight-transfer group is open")
+        return group

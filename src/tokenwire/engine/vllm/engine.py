@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Collection, Sequence
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tokenwire import adapter_files
 from tokenwire.engine.base import (
     DEFAULT_WEIGHT_VERSION,
+    AdapterTensors,
     EngineError,
     EngineFeature,
     EngineOutput,
@@ -77,6 +81,10 @@ class VLLMEngine:
         # Loaded adapters as vLLM's LoRARequest, and the version each reports.
         self._adapters: dict[str, tuple[Any, str]] = {}
         self._lora_ids = 0
+        # Adapters sent from memory, written where vLLM's workers read them (and may read them
+        # again: vLLM's CPU cache of adapters evicts), one directory per load.
+        self._adapter_dirs: dict[str, Path] = {}
+        self._adapter_root: tempfile.TemporaryDirectory[str] | None = None
         self.max_model_len = max_model_len or 0  # vLLM's value once started
         self.vocab_size = 0
         self.eos_token_ids: tuple[int, ...] = ()
@@ -248,7 +256,7 @@ class VLLMEngine:
         self._require_running()
         return bool(await self._llm.reset_prefix_cache())
 
-    async def load_adapter(self, name: str, path: Path, version: str) -> None:
+    async def load_adapter(self, name: str, source: Path | AdapterTensors, version: str) -> None:
         """vLLM's ``add_lora``; a replaced adapter keeps its id, as vLLM's own route does."""
         from vllm.lora.request import LoRARequest
 
@@ -257,17 +265,39 @@ class VLLMEngine:
         if previous is None:
             self._lora_ids += 1
         lora_id = previous[0].lora_int_id if previous else self._lora_ids
+        written = None
+        if isinstance(source, AdapterTensors):
+            written = await asyncio.to_thread(self._write_adapter, source)
+        path = written or source
         request = LoRARequest(name, lora_id, str(path), load_inplace=previous is not None)
         try:
             await self._llm.add_lora(request)
         except Exception as exc:
+            if written is not None:
+                shutil.rmtree(written, ignore_errors=True)
             raise WeightsError(f"vLLM did not load the adapter: {exc}") from exc
         self._adapters[name] = (request, version)
+        self._forget_written(name)
+        if written is not None:
+            self._adapter_dirs[name] = written
+
+    def _write_adapter(self, adapter: AdapterTensors) -> Path:
+        if self._adapter_root is None:
+            self._adapter_root = tempfile.TemporaryDirectory(prefix="tokenwire-adapters-")
+        path = Path(tempfile.mkdtemp(dir=self._adapter_root.name))
+        adapter_files.write(path, adapter.config, adapter.tensors)
+        return path
+
+    def _forget_written(self, name: str) -> None:
+        path = self._adapter_dirs.pop(name, None)
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
 
     async def unload_adapter(self, name: str) -> None:
         self._require_running()
         request, _ = self._adapters.pop(name)
         await self._llm.remove_lora(request.lora_int_id)
+        self._forget_written(name)
 
     # -- weight transfer: not on this engine yet (see docs/api.md) ---------------------------
     # vLLM's own transfer engines (nccl, ipc) need CUDA, and a gloo one registered with its
@@ -295,6 +325,14 @@ class VLLMEngine:
     async def copy_weights(self, tensors: dict[str, Any]) -> None:
         raise EngineError(_NO_TRANSFER)
 
+    def check_adapter_update(
+        self, config: Mapping[str, Any], tensors: Sequence[TensorMeta]
+    ) -> None:
+        raise EngineError(_NO_TRANSFER)
+
+    async def receive_tensors(self, update: WeightUpdate) -> dict[str, Any]:
+        raise EngineError(_NO_TRANSFER)
+
     def _require_running(self) -> None:
         if not self.is_ready():
             raise EngineError("the engine is not running")
@@ -304,3 +342,5 @@ class VLLMEngine:
         llm, self._llm = self._llm, None
         if llm is not None:
             await asyncio.to_thread(llm.shutdown)
+        if self._adapter_root is not None:
+            self._adapter_root.cleanup()
