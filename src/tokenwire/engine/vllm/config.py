@@ -49,6 +49,10 @@ def engine_args(
         args.enable_lora = True
         args.max_loras = max_loras
         args.max_lora_rank = max_lora_rank
+        # The engine keeps at most max_loras adapter versions in vLLM, and loads a replacement
+        # before it drops the version replaced: one spare, so vLLM's CPU cache never evicts an
+        # adapter (it would read it again from a path the trainer may have rewritten since).
+        args.max_cpu_loras = max_loras + 1
     # tokenwire renders and decodes: vLLM sees token ids only.
     args.skip_tokenizer_init = True
     args.worker_extension_cls = WORKER_EXTENSION

@@ -14,10 +14,12 @@ import logging
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tokenwire import adapter_files
+from tokenwire.adapter_files import AdapterFileError
 from tokenwire.engine.base import (
     DEFAULT_WEIGHT_VERSION,
     AdapterTensors,
@@ -41,6 +43,18 @@ _NO_TRANSFER = (
     "the vllm engine does not receive weights in memory here; load a checkpoint directory "
     "(/update_weights {weight_dir}) or serve with --engine hf (backend gloo)"
 )
+
+
+@dataclass(slots=True, eq=False)
+class _AdapterVersion:
+    """One load of an adapter, resident in vLLM under its own LoRA id until it is replaced or
+    unloaded and its last request has finished."""
+
+    request: Any  # vLLM's LoRARequest
+    version: str
+    written: Path | None  # the directory an adapter sent from memory was written to
+    running: int = 0
+    retired: bool = False
 
 
 class VLLMEngine:
@@ -78,12 +92,13 @@ class VLLMEngine:
         }
         if max_loras:
             self.features = self.features | {"lora"}
-        # Loaded adapters as vLLM's LoRARequest, and the version each reports.
-        self._adapters: dict[str, tuple[Any, str]] = {}
+        # The version of each adapter new requests get, and every version vLLM holds (those
+        # plus replaced or unloaded ones whose requests still run), by LoRA id.
+        self._adapters: dict[str, _AdapterVersion] = {}
+        self._resident: dict[int, _AdapterVersion] = {}
         self._lora_ids = 0
-        # Adapters sent from memory, written where vLLM's workers read them (and may read them
-        # again: vLLM's CPU cache of adapters evicts), one directory per load.
-        self._adapter_dirs: dict[str, Path] = {}
+        # Adapters sent from memory are written where vLLM's workers read them, one directory
+        # per load, kept while vLLM holds that load.
         self._adapter_root: tempfile.TemporaryDirectory[str] | None = None
         self.max_model_len = max_model_len or 0  # vLLM's value once started
         self.vocab_size = 0
@@ -159,18 +174,24 @@ class VLLMEngine:
             raise EngineError("--engine vllm takes no image input yet (see docs/api.md)")
         if request_id in self._live:
             raise EngineError(f"request id {request_id!r} is already running")
-        lora, version = None, self._version
+        pinned = None
         if adapter is not None:
             if adapter not in self._adapters:
                 raise EngineError(f"LoRA adapter {adapter!r} is not loaded")
-            lora, version = self._adapters[adapter]
+            pinned = self._adapters[adapter]
         params = sampling_params(sampling, self.logprobs_mode)
         tokens = TokensPrompt(prompt_token_ids=prompt)
         if cache_salt is not None:
             tokens["cache_salt"] = cache_salt
+        version = self._version if pinned is None else pinned.version
         state = OutputState(
-            prompt, sampling, frozenset(self.eos_token_ids), version, track_versions=lora is None
+            prompt, sampling, frozenset(self.eos_token_ids), version, track_versions=pinned is None
         )
+        lora = None
+        if pinned is not None:
+            # Held from here on: a replace or unload leaves this version in vLLM until it ends.
+            pinned.running += 1
+            lora = pinned.request
         self._live[request_id] = ""
         collector = None
         finished = False
@@ -195,6 +216,10 @@ class VLLMEngine:
                 if not finished:
                     await self._llm.abort(collector.request_id, internal=True)
                 collector.close()
+            if pinned is not None:
+                pinned.running -= 1
+                if pinned.retired and not pinned.running:
+                    await self._remove_adapter(pinned)
 
     def _version_starts(self, internal_id: str) -> list[tuple[str, int]] | None:
         """The weight versions vLLM has stamped on a running request's tokens so far."""
@@ -257,29 +282,43 @@ class VLLMEngine:
         return bool(await self._llm.reset_prefix_cache())
 
     async def load_adapter(self, name: str, source: Path | AdapterTensors, version: str) -> None:
-        """vLLM's ``add_lora``; a replaced adapter keeps its id, as vLLM's own route does."""
+        """vLLM's ``add_lora`` under a new LoRA id per load, so that a replaced version keeps
+        serving the requests that started under it (vLLM's ``load_inplace`` would swap their
+        weights) and its prefix-cache blocks (keyed by LoRA name and path) serve no other."""
         from vllm.lora.request import LoRARequest
 
         self._require_running()
-        previous = self._adapters.get(name)
-        if previous is None:
-            self._lora_ids += 1
-        lora_id = previous[0].lora_int_id if previous else self._lora_ids
+        current = self._adapters.get(name)
+        # As the hf engine counts: the version a load replaces is free unless requests hold it.
+        held = [v for v in self._resident.values() if v is not current or v.running]
+        if len(held) >= self._options["max_loras"]:
+            raise WeightsError(
+                f"all {self._options['max_loras']} --max-loras slots hold adapter versions in "
+                "use; unload one, wait for requests of replaced versions to finish, or raise "
+                "--max-loras"
+            )
         written = None
         if isinstance(source, AdapterTensors):
             written = await asyncio.to_thread(self._write_adapter, source)
+        else:
+            try:  # vLLM's own error names neither the path nor what is wrong with it
+                await asyncio.to_thread(adapter_files.read_config, Path(source))
+            except AdapterFileError as exc:
+                raise WeightsError(str(exc)) from exc
+        self._lora_ids += 1
+        lora_id = self._lora_ids
         path = written or source
-        request = LoRARequest(name, lora_id, str(path), load_inplace=previous is not None)
+        request = LoRARequest(f"{name}#{lora_id}", lora_id, str(path))
         try:
             await self._llm.add_lora(request)
         except Exception as exc:
             if written is not None:
                 shutil.rmtree(written, ignore_errors=True)
             raise WeightsError(f"vLLM did not load the adapter: {exc}") from exc
-        self._adapters[name] = (request, version)
-        self._forget_written(name)
-        if written is not None:
-            self._adapter_dirs[name] = written
+        loaded = _AdapterVersion(request, version, written)
+        self._resident[lora_id] = self._adapters[name] = loaded
+        if current is not None:
+            await self._retire(current)
 
     def _write_adapter(self, adapter: AdapterTensors) -> Path:
         if self._adapter_root is None:
@@ -288,16 +327,25 @@ class VLLMEngine:
         adapter_files.write(path, adapter.config, adapter.tensors)
         return path
 
-    def _forget_written(self, name: str) -> None:
-        path = self._adapter_dirs.pop(name, None)
-        if path is not None:
-            shutil.rmtree(path, ignore_errors=True)
-
     async def unload_adapter(self, name: str) -> None:
         self._require_running()
-        request, _ = self._adapters.pop(name)
-        await self._llm.remove_lora(request.lora_int_id)
-        self._forget_written(name)
+        await self._retire(self._adapters.pop(name))
+
+    async def _retire(self, adapter: _AdapterVersion) -> None:
+        """No new request gets ``adapter``; vLLM drops it once its running requests end."""
+        adapter.retired = True
+        if not adapter.running:
+            await self._remove_adapter(adapter)
+
+    async def _remove_adapter(self, adapter: _AdapterVersion) -> None:
+        lora_id = adapter.request.lora_int_id
+        del self._resident[lora_id]
+        if adapter.written is not None:
+            shutil.rmtree(adapter.written, ignore_errors=True)
+        try:
+            await self._llm.remove_lora(lora_id)
+        except Exception:  # a dead engine holds nothing; the request that ended is unaffected
+            logger.warning("vLLM did not remove LoRA id %d", lora_id, exc_info=True)
 
     # -- weight transfer: not on this engine yet (see docs/api.md) ---------------------------
     # vLLM's own transfer engines (nccl, ipc) need CUDA, and a gloo one registered with its
