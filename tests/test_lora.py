@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.conftest import LORA_TARGETS, Server, smollm2_float32
+from tests.conftest import API_KEY, LORA_TARGETS, Server, smollm2_float32
+from tokenwire import adapter_files
 from tokenwire.engine.base import WeightsError
 from tokenwire.engine.hf.lora import CONFIG_FILE, WEIGHTS_FILE, AdapterSlots
 
@@ -390,8 +391,233 @@ def test_skyrl_loads_in_place_by_name(lora_server: Server, lora_adapters: list[P
             assert response.text == "Success: LoRA adapter 'skyrl-policy' added successfully."
     choice = _generate(lora_server, "skyrl-policy", PROMPT)["choices"][0]
     served = [entry["logprob"] for entry in choice["logprobs"]["content"]]
-    expected = _trainer_logprobs(
-        lora_adapters[2], PROMPT, choice["token_ids"]
-    )  # the last one loaded
+    last = lora_adapters[2]  # the last one loaded
+    expected = _trainer_logprobs(last, PROMPT, choice["token_ids"])
     assert max(abs(a - b) for a, b in zip(served, expected, strict=True)) <= 1e-4
     assert choice["weight_versions"][0]["version"].startswith("skyrl-policy@")
+    _unload(lora_server, "skyrl-policy")
+
+
+def _unload(server: Server, name: str) -> None:
+    """Free the adapter's slots for the tests after (the server is the session's)."""
+    with server.client() as client:
+        response = client.post("/v1/unload_lora_adapter", json={"lora_name": name})
+    assert response.status_code == 200, response.text
+
+
+# --- adapters from a trainer's memory: no directory written by the trainer --------------------
+
+
+def _peft_adapter(seed: int, targets: list[str], rank: int = 8) -> Any:
+    """A trainer's PEFT model of SmolLM2 (random lora_B: the adapter changes the output)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=16, target_modules=targets, init_lora_weights=False)
+    return get_peft_model(_base(), config).eval()
+
+
+def _factors(peft_model: Any) -> dict[str, torch.Tensor]:
+    """What a trainer sends: PEFT's own names and tensors of the adapter."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+
+
+def _assert_serves(server: Server, model: str, reference: Path, version: str) -> None:
+    """``model`` answers with a PEFT forward's logprobs of the adapter saved at ``reference``."""
+    choice = _generate(server, model, PROMPT)["choices"][0]
+    served = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+    expected = _trainer_logprobs(reference, PROMPT, choice["token_ids"])
+    assert max(abs(a - b) for a, b in zip(served, expected, strict=True)) <= 1e-4
+    assert [span["version"] for span in choice["weight_versions"]] == [version]
+
+
+def _b64_safetensors(tensors: dict[str, torch.Tensor]) -> str:
+    import base64
+
+    from safetensors.torch import save
+
+    return base64.b64encode(save(tensors)).decode()
+
+
+def test_adapter_over_the_weight_transfer_group(lora_server: Server, tmp_path: Path) -> None:
+    """A trainer's adapter over vLLM's four phases (``update_info.lora_name``), new and then in
+    place, and over SGLang's ``/update_weights_from_distributed``: each version serves PEFT's
+    logprobs; a stream of the first version finishes under it; a base stream is untouched."""
+    from tokenwire.client import Client
+    from tokenwire.client.weights import WeightSender
+    from tokenwire.weight_transfer import broadcast, dtype_name
+
+    trainer = _peft_adapter(10, ["q_proj", "v_proj"])
+    trainer.save_pretrained(tmp_path / "step1")  # the reference only: the server never reads it
+    sender = WeightSender([Client(lora_server.url, api_key=API_KEY)], timeout_s=30)
+    sender.connect()
+    try:
+        config = trainer.peft_config["default"].to_dict()
+        sender.send(_factors(trainer).items(), version="mem-1", lora_name="mem", lora_config=config)
+        _assert_serves(lora_server, "mem", tmp_path / "step1", "mem-1")
+
+        old, base = _Stream(lora_server, "mem"), _Stream(lora_server, "a0")
+        assert old.started.wait(600) and base.started.wait(600)
+        with torch.no_grad():  # the trainer's next step, as factors alone (config kept)
+            for name, param in trainer.named_parameters():
+                if "lora_B" in name:
+                    param.mul_(-2)
+        trainer.save_pretrained(tmp_path / "step2")
+        sender.send(_factors(trainer).items(), version="mem-2", lora_name="mem")
+        _assert_serves(lora_server, "mem", tmp_path / "step2", "mem-2")
+        for stream, version in ((old, "mem-1"), (base, "a0@1")):
+            stream.thread.join(600)
+            assert stream.error is None, stream.error
+            assert len(stream.tokens()) == 40
+            assert stream.versions() == {version}
+
+        # SGLang's one-call form over the same group: no pause, loaded as it comes.
+        factors = _factors(_peft_adapter(11, ["q_proj", "v_proj"]))
+        body = {
+            "names": list(factors),
+            "dtypes": [dtype_name(t.dtype) for t in factors.values()],
+            "shapes": [list(t.shape) for t in factors.values()],
+            "lora_name": "mem",
+            "weight_version": "mem-3",
+        }
+        with ThreadPoolExecutor(1) as pool, lora_server.client() as client:
+            answer = pool.submit(client.post, "/update_weights_from_distributed", json=body)
+            for tensor in factors.values():
+                broadcast(tensor, sender._group)
+            response = answer.result()
+        assert response.status_code == 200, response.text
+        reference = tmp_path / "step3"
+        adapter_files.write(reference, json.loads(json.dumps(config, default=sorted)), factors)
+        _assert_serves(lora_server, "mem", reference, "mem-3")
+
+        # A misfit inside vLLM's phases: refused before a byte is received, the group closed,
+        # the pause that start took lifted, and the adapter as it was.
+        control = sender.clients[0].control
+        control.start_weight_update()
+        misnamed = {k.replace("q_proj", "rotary"): v for k, v in factors.items()}
+        info = {
+            "names": list(misnamed),
+            "dtype_names": ["float32"] * len(misnamed),
+            "shapes": [list(t.shape) for t in misnamed.values()],
+            "lora_name": "mem",
+        }
+        with pytest.raises(Exception, match="not a linear of the model"):
+            control.receive_weights(info)
+        with lora_server.client() as client:
+            assert client.get("/is_paused").json() == {"is_paused": False}
+        _assert_serves(lora_server, "mem", reference, "mem-3")
+    finally:
+        sender.close()
+    _unload(lora_server, "mem")
+
+
+def test_sglang_adapter_from_tensors(lora_server: Server, lora_adapters: list[Path]) -> None:
+    """SGLang's ``/load_lora_adapter_from_tensors`` (both entry fields) and
+    ``/update_weights_from_tensor {lora_name}``: safetensors bytes in, PEFT's logprobs out."""
+    from safetensors.torch import load_file
+
+    config = adapter_files.read_config(lora_adapters[1])
+    tensors = load_file(lora_adapters[1] / adapter_files.WEIGHTS_FILE)
+    with lora_server.client() as client:
+        body = {
+            "lora_name": "sg",
+            "config_dict": config,
+            "serialized_tensors": _b64_safetensors(tensors),
+            "load_format": "safetensors",
+            "weight_version": "sg-1",
+        }
+        response = client.post("/load_lora_adapter_from_tensors", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["success"] is True
+        assert response.json()["loaded_adapters"]["sg"] == "__tensor__"
+        _assert_serves(lora_server, "sg", lora_adapters[1], "sg-1")
+
+        # The same adapter's name with adapter 2's factors and config: replaced in place.
+        config2 = adapter_files.read_config(lora_adapters[2])
+        tensors2 = load_file(lora_adapters[2] / adapter_files.WEIGHTS_FILE)
+        body = {
+            "serialized_named_tensors": [_b64_safetensors(tensors2)],
+            "load_format": "safetensors",
+            "lora_name": "sg",
+            "lora_config": config2,
+            "weight_version": "sg-2",
+        }
+        response = client.post("/update_weights_from_tensor", json=body)
+        assert response.status_code == 200, response.text
+        _assert_serves(lora_server, "sg", lora_adapters[2], "sg-2")
+        cards = {card["id"]: card for card in client.get("/v1/models").json()["data"]}
+        assert cards["sg"]["root"] == "__tensor__"
+    _unload(lora_server, "sg")
+
+
+def test_bad_adapters_from_memory_are_refused(
+    lora_server: Server, lora_adapters: list[Path]
+) -> None:
+    """Each misfit is a 400 naming it; nothing loads, the server is not left paused, and
+    generation (base and a0) goes on."""
+    from safetensors.torch import load_file
+
+    config = adapter_files.read_config(lora_adapters[0])
+    tensors = load_file(lora_adapters[0] / adapter_files.WEIGHTS_FILE)
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    misnamed = {k.replace("q_proj", "rotary"): v for k, v in tensors.items()}
+
+    def from_tensors(**change: Any) -> dict:
+        body = {
+            "lora_name": "bad",
+            "config_dict": config,
+            "serialized_tensors": _b64_safetensors(tensors),
+            "load_format": "safetensors",
+            **change,
+        }
+        return body
+
+    cases = [
+        (from_tensors(load_format=None), "pickles"),
+        (from_tensors(added_tokens_config={"<x>": 50000}), "added_tokens_config"),
+        (from_tensors(serialized_tensors=_b64_safetensors(misnamed)), "not a linear"),
+        (from_tensors(config_dict={**config, "r": 32}), "above --max-lora-rank 16"),
+        (from_tensors(serialized_tensors="not base64!"), "base64"),
+        (
+            from_tensors(
+                serialized_tensors=_b64_safetensors(
+                    {f"{q}.lora_A.weight": tensors[f"{q}.lora_A.weight"]}
+                )
+            ),
+            "needs both lora_A and lora_B",
+        ),
+        (from_tensors(lora_name="smollm2-135m-instruct"), "base model"),
+    ]
+    with lora_server.client() as client:
+        for body, message in cases:
+            response = client.post("/load_lora_adapter_from_tensors", json=body)
+            assert response.status_code == 400, response.text
+            assert message in response.text, response.text
+        # Factors alone for an adapter never loaded: its config is unknown.
+        response = client.post(
+            "/update_weights_from_tensor",
+            json={
+                "serialized_named_tensors": [_b64_safetensors(tensors)],
+                "load_format": "safetensors",
+                "lora_name": "never-loaded",
+            },
+        )
+        assert response.status_code == 400, response.text
+        assert "lora_config" in response.text
+        # An adapter update inside vLLM's phases that names a module the model lacks: refused
+        # before a byte is received, the group closed and the pause lifted.
+        info = {
+            "names": list(misnamed),
+            "dtype_names": ["float32"] * len(misnamed),
+            "shapes": [list(t.shape) for t in misnamed.values()],
+            "lora_name": "a0",
+        }
+        response = client.post("/update_weights", json={"update_info": info})
+        assert response.status_code == 400, response.text  # no group: init first
+        assert client.get("/is_paused").json() == {"is_paused": False}
+        listed = {card["id"] for card in client.get("/v1/models").json()["data"]}
+    assert "bad" not in listed and "never-loaded" not in listed
+    assert _generate(lora_server, "a0", PROMPT)["choices"][0]["token_ids"]
+    assert _generate(lora_server, None, PROMPT)["choices"][0]["token_ids"]

@@ -13,6 +13,7 @@ A fleet shares one group: the trainer is rank 0 and server ``i`` joins at ``rank
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -47,6 +48,12 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def json_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A PEFT config dict as JSON holds it (``LoraConfig.to_dict()`` keeps
+    ``target_modules`` as a set; ``save_pretrained`` writes a list)."""
+    return json.loads(json.dumps(config, default=lambda value: sorted(value)))
 
 
 class WeightSender:
@@ -122,10 +129,16 @@ class WeightSender:
         *,
         version: str | None = None,
         pause: PauseMode | None = "keep",
+        lora_name: str | None = None,
+        lora_config: dict[str, Any] | None = None,
     ) -> None:
         """Pause (``pause``: vLLM's mode; None: don't), start, broadcast every tensor while the
         servers receive it, finish with ``version``, resume. A module sends its parameters
-        (tied ones once, as its checkpoint holds them)."""
+        (tied ones once, as its checkpoint holds them).
+
+        With ``lora_name`` the tensors are that LoRA adapter's factors under PEFT's names
+        (``peft.get_peft_model_state_dict``), loaded (or replaced) as that adapter at finish;
+        ``lora_config`` (``LoraConfig.to_dict()``) is needed the first time."""
         if self._group is None:
             raise WeightSenderError("connect() first")
         named = list(
@@ -136,13 +149,34 @@ class WeightSender:
             TensorMeta(name, tensor.dtype, tuple(tensor.shape))
             for (name, _), tensor in zip(named, tensors, strict=True)
         ]
-        update_info = {
+        update_info: dict[str, Any] = {
             "names": [meta.name for meta in metas],
             "dtype_names": [dtype_name(meta.dtype) for meta in metas],
             "shapes": [list(meta.shape) for meta in metas],
         }
+        if lora_name is not None:
+            update_info["lora_name"] = lora_name
+            if lora_config is not None:
+                update_info["lora_config"] = json_config(lora_config)
         if pause is not None:
             self._each(lambda client: client.control.pause(pause))
+        try:
+            self._update(metas, tensors, update_info, version)
+        except BaseException:
+            if pause is not None:  # servers whose weights broke refuse it, and stay paused
+                wait([self._pool.submit(client.control.resume) for client in self.clients])
+            raise
+        if pause is not None:
+            self._each(lambda client: client.control.resume())
+
+    def _update(
+        self,
+        metas: list[TensorMeta],
+        tensors: list[torch.Tensor],
+        update_info: dict[str, Any],
+        version: str | None,
+    ) -> None:
+        """vLLM's start, update (while broadcasting) and finish, on every server."""
         self._each(lambda client: client.control.start_weight_update())
         receiving = [
             self._pool.submit(client.control.receive_weights, update_info)
@@ -155,8 +189,6 @@ class WeightSender:
             raise WeightSenderError(f"broadcast failed: {_first_error(receiving) or exc}") from exc
         _raise_first(receiving)
         self._each(lambda client: client.control.finish_weight_update(version))
-        if pause is not None:
-            self._each(lambda client: client.control.resume())
 
     def _broadcast(
         self, metas: list[TensorMeta], tensors: list[torch.Tensor], receiving: list[Future[None]]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tokenwire.engine.base import Engine, PauseMode
 from tokenwire.media.service import MediaService
@@ -114,7 +115,18 @@ class TransferState:
     # refused until a complete update or a checkpoint reload.
     failed: str | None = None
     paused: bool = False  # the engine pause an update took itself, lifted when it completes
+    # An update that targets a LoRA adapter: its factors gather here until finish loads them.
+    adapter: StagedAdapter | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass(slots=True)
+class StagedAdapter:
+    """A LoRA adapter's factors received so far in an update (``update_info.lora_name``)."""
+
+    name: str
+    config: dict[str, Any]
+    tensors: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -142,11 +154,13 @@ class ControlState:
 
 @dataclass(frozen=True, slots=True)
 class Adapter:
-    """A loaded LoRA adapter as clients see it (``pipeline.lora`` loads and unloads them)."""
+    """A loaded LoRA adapter as clients see it (``pipeline.lora`` loads and unloads them), and
+    the ``adapter_config.json`` it loaded with (new factors sent alone reuse it)."""
 
     name: str
-    path: str
+    path: str  # its directory, or ``pipeline.lora.MEMORY_ADAPTER_PATH``
     version: str
+    config: dict[str, Any]
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Any
+from typing import Any, NoReturn
 
 from tokenwire.engine.base import (
     EngineError,
@@ -24,8 +24,8 @@ from tokenwire.engine.base import (
     WeightTransferError,
     WeightUpdate,
 )
-from tokenwire.pipeline import control
-from tokenwire.pipeline.context import Pipeline, TransferGroup, TransferState
+from tokenwire.pipeline import control, lora
+from tokenwire.pipeline.context import Pipeline, StagedAdapter, TransferGroup, TransferState
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.protocol.control import (
     InitWeightsUpdateGroupBody,
@@ -209,7 +209,8 @@ def _metas(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> tupl
 async def update(
     pipeline: Pipeline, update_info: TransferUpdateInfo | list[TransferUpdateInfo]
 ) -> None:
-    """vLLM's ``/update_weights {update_info}``: receive while the trainer broadcasts."""
+    """vLLM's ``/update_weights {update_info}``: receive while the trainer broadcasts (into the
+    model, or, with ``lora_name``, into the adapter that finish loads)."""
     pipeline.ready()
     state = pipeline.control.transfer
     if isinstance(update_info, list):
@@ -239,29 +240,22 @@ async def update(
             metas = state.previous
         packed = group.packed if update_info.packed is None else update_info.packed
         size = update_info.packed_buffer_size_bytes or group.buffer_size_bytes
-        await _receive(pipeline, WeightUpdate(metas, packed, size), "update_info")
+        update = WeightUpdate(metas, packed, size)
+        if update_info.lora_name is None and state.adapter is None:
+            await _receive(pipeline, update, "update_info")
+        else:
+            await _receive_adapter(pipeline, update, update_info.lora_name, update_info.lora_config)
         state.previous = metas
 
 
 async def _receive(pipeline: Pipeline, update: WeightUpdate, param: str) -> None:
-    """Check, then receive; the caller holds the lock and an update is open."""
+    """Check, then receive into the model; the caller holds the lock and an update is open."""
     engine = pipeline.ready().engine
     state = pipeline.control.transfer
     try:
         engine.check_weight_update(update.tensors)
     except WeightsError as exc:
-        # The trainer is broadcasting what this server will not take: the group cannot carry
-        # on in step, so it is closed (nothing was received; the weights are as they were).
-        await engine.leave_weight_group()
-        state.group = None
-        if state.received:  # earlier tensors of this update are in already
-            _break(state, "an update was refused after some of its tensors came")
-        else:
-            await _end(pipeline, state)
-        raise InvalidRequest(
-            f"weights not updated (nothing received; the group is closed, init again): {exc}",
-            param,
-        ) from exc
+        await _refuse(pipeline, exc, param)
     try:
         await engine.receive_weights(update)
     except WeightTransferError as exc:
@@ -273,14 +267,66 @@ async def _receive(pipeline: Pipeline, update: WeightUpdate, param: str) -> None
     state.received.update(meta.name for meta in update.tensors)
 
 
+async def _receive_adapter(
+    pipeline: Pipeline,
+    update: WeightUpdate,
+    name: str | None,
+    config: dict[str, Any] | None,
+) -> None:
+    """Check, then receive a LoRA adapter's factors into ``state.adapter`` (the model is not
+    touched: a broadcast that breaks off leaves every adapter as it was)."""
+    state = pipeline.control.transfer
+    staged = state.adapter
+    param = "update_info.lora_name"
+    try:
+        if name is None or state.received or (staged is not None and staged.name != name):
+            raise WeightsError(
+                "one update carries the model's weights or one LoRA adapter's factors (the "
+                "same lora_name in every update_info), not both"
+            )
+        if staged is None:
+            staged = StagedAdapter(name, lora.config_for(pipeline, name, config, param))
+        pipeline.ready().engine.check_adapter_update(staged.config, update.tensors)
+    except (WeightsError, InvalidRequest) as exc:
+        await _refuse(pipeline, exc, param)
+    state.adapter = staged
+    try:
+        staged.tensors.update(await pipeline.ready().engine.receive_tensors(update))
+    except WeightTransferError as exc:
+        state.group = None
+        state.adapter = None
+        await _end(pipeline, state)
+        raise InvalidRequest(f"LoRA adapter {name!r} not updated: {exc}", param) from exc
+
+
+async def _refuse(pipeline: Pipeline, exc: Exception, param: str) -> NoReturn:
+    """The trainer is broadcasting what this server will not take: the group cannot carry on
+    in step, so it is closed (nothing was received; the weights are as they were)."""
+    engine = pipeline.ready().engine
+    state = pipeline.control.transfer
+    await engine.leave_weight_group()
+    state.group = None
+    state.adapter = None
+    if state.received:  # earlier tensors of this update are in already
+        _break(state, "an update was refused after some of its tensors came")
+    else:
+        await _end(pipeline, state)
+    message = exc.message if isinstance(exc, InvalidRequest) else str(exc)
+    raise InvalidRequest(
+        f"weights not updated (nothing received; the group is closed, init again): {message}",
+        param,
+    ) from exc
+
+
 def _break(state: TransferState, reason: str) -> None:
     state.failed = reason
     state.updating = False
 
 
 async def _end(pipeline: Pipeline, state: TransferState) -> None:
-    """Close an update that changed nothing; lift the pause it took."""
+    """Close an update that changed no base weight; lift the pause it took."""
     state.updating = False
+    state.adapter = None
     if state.paused and state.failed is None:
         state.paused = False
         await control.end_pause(pipeline)
@@ -295,6 +341,9 @@ async def finish(pipeline: Pipeline, version: str | None) -> None:
             raise InvalidRequest(
                 "finish_weight_update called without a matching start_weight_update."
             )
+        if state.adapter is not None:
+            await _finish_adapter(pipeline, state, state.adapter, version)
+            return
         missing = engine.missing_weights(state.received)
         if missing:
             _break(state, f"an update finished without {len(missing)} weights")
@@ -308,11 +357,29 @@ async def finish(pipeline: Pipeline, version: str | None) -> None:
         await control.weights_whole(pipeline)
 
 
+async def _finish_adapter(
+    pipeline: Pipeline, state: TransferState, staged: StagedAdapter, version: str | None
+) -> None:
+    """Load the adapter whose factors came (in place when loaded), then lift the pause."""
+    try:
+        await lora.load_adapter_tensors(
+            pipeline,
+            staged.name,
+            staged.tensors,
+            config=staged.config,
+            version=version,
+            param="update_info.lora_name",
+        )
+    finally:
+        await _end(pipeline, state)
+
+
 async def update_from_distributed(
     pipeline: Pipeline, body: UpdateWeightsFromDistributedBody
 ) -> None:
     """SGLang's ``/update_weights_from_distributed``: receive and load at once (SGLang loads
-    the tensors it names; others keep their values), generation paused meanwhile."""
+    the tensors it names; others keep their values), generation paused meanwhile; with
+    ``lora_name``, an adapter's factors, loaded in place while generation goes on."""
     if body.names is not None:
         if body.dtypes is None or body.shapes is None:
             raise InvalidRequest("names needs dtypes and shapes of the same length", "names")
@@ -339,6 +406,13 @@ async def update_from_distributed(
             )
         if state.updating:
             raise InvalidRequest("a vLLM-style weight update is open; finish it first")
+        if body.lora_name is not None:
+            # No pause: the factors come into new tensors, and the adapter loads between steps.
+            state.updating, state.received = True, set()
+            await _receive_adapter(pipeline, WeightUpdate(metas), body.lora_name, body.lora_config)
+            assert state.adapter is not None
+            await _finish_adapter(pipeline, state, state.adapter, body.weight_version)
+            return
         await _begin(pipeline, state)
         await _receive(pipeline, WeightUpdate(metas), "names")
         await _partial_done(pipeline, state, body.weight_version)
@@ -355,18 +429,21 @@ async def _partial_done(pipeline: Pipeline, state: TransferState, version: str |
 
 
 async def update_from_tensor(pipeline: Pipeline, body: UpdateWeightsFromTensorBody) -> None:
-    """SGLang's ``/update_weights_from_tensor`` with safetensors entries (never pickles)."""
-    if body.load_format != "safetensors":
-        raise InvalidRequest(
-            f"load_format {body.load_format!r}: SGLang's serialized tensors are pickles, which "
-            'this server never loads (they can run code); send load_format "safetensors" with '
-            "each entry the base64 of a safetensors file",
-            "load_format",
-        )
-    tensors = _safetensors(body.serialized_named_tensors[0])
+    """SGLang's ``/update_weights_from_tensor`` with safetensors entries (never pickles); with
+    ``lora_name``, an adapter's factors (loaded in place, or new with ``lora_config``)."""
+    tensors = decode_tensors(body.load_format, body.serialized_named_tensors[0])
     engine = pipeline.ready().engine
     if body.abort_all_requests:
         await control.abort_requests(pipeline)
+    if body.lora_name is not None:
+        await lora.load_adapter_tensors(
+            pipeline,
+            body.lora_name,
+            tensors,
+            config=body.lora_config,
+            version=body.weight_version,
+        )
+        return
     state = pipeline.control.transfer
     async with state.lock:
         if state.updating:
@@ -380,10 +457,19 @@ async def update_from_tensor(pipeline: Pipeline, body: UpdateWeightsFromTensorBo
         await _partial_done(pipeline, state, body.weight_version)
 
 
-def _safetensors(entry: str) -> dict[str, Any]:
+def decode_tensors(load_format: str | None, entry: str) -> dict[str, Any]:
+    """One of SGLang's ``serialized_named_tensors`` entries: the base64 of a safetensors file
+    (SGLang's own entries are pickles, which this server never loads: they can run code)."""
     from safetensors import SafetensorError
     from safetensors.torch import load
 
+    if load_format != "safetensors":
+        raise InvalidRequest(
+            f"load_format {load_format!r}: SGLang's serialized tensors are pickles, which "
+            'this server never loads (they can run code); send load_format "safetensors" with '
+            "each entry the base64 of a safetensors file",
+            "load_format",
+        )
     try:
         raw = base64.b64decode(entry, validate=True)
         return load(raw)

@@ -14,6 +14,10 @@ from tokenwire.weight_transfer import (
 )
 
 Version = str  # a weight version label, as the trainer names it
+# tokenwire's fields that point a weight update at a LoRA adapter (docs/api.md "LoRA"): its
+# name, and its adapter_config.json's fields (needed when the adapter is not loaded yet).
+LoraName = Annotated[str, Field(min_length=1, max_length=256)]
+LoraConfig = dict[str, Any]
 
 
 class AbortRequestsBody(RequestModel):
@@ -84,6 +88,8 @@ class TransferUpdateInfo(StrictRequestModel):
     packed_buffer_size_bytes: PositiveInt | None = None
     packed_num_buffers: PositiveInt | None = None
     is_checkpoint_format: bool = True
+    lora_name: LoraName | None = None
+    lora_config: LoraConfig | None = None
 
     @model_validator(mode="after")
     def _same_lengths(self) -> TransferUpdateInfo:
@@ -142,6 +148,8 @@ class UpdateWeightsFromDistributedBody(RequestModel):
     abort_all_requests: bool = False
     weight_version: str | None = Field(default=None, min_length=1, max_length=256)
     load_format: str | None = None
+    lora_name: LoraName | None = None
+    lora_config: LoraConfig | None = None
 
 
 class DestroyWeightsUpdateGroupBody(RequestModel):
@@ -158,6 +166,8 @@ class UpdateWeightsFromTensorBody(RequestModel):
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = Field(default=None, min_length=1, max_length=256)
+    lora_name: LoraName | None = None
+    lora_config: LoraConfig | None = None
 
 
 class UpdateWeightsFromDiskBody(RequestModel):
@@ -212,6 +222,38 @@ class LoadLoraAdapterBody(RequestModel):
     lora_path: str = Field(max_length=4096)
     load_inplace: bool = False
     weight_version: str | None = Field(default=None, min_length=1, max_length=256)
+
+
+class LoadLoraAdapterFromTensorsBody(RequestModel):
+    """SGLang's ``/load_lora_adapter_from_tensors``: ``config_dict`` (adapter_config.json's
+    fields) and the factors as one serialized entry (``serialized_tensors``, SGLang 0.5.8) or
+    one per tensor-parallel rank (``serialized_named_tensors``, later; the first is read).
+    Entries must be ``load_format: "safetensors"``, as for ``/update_weights_from_tensor``."""
+
+    lora_name: LoraName
+    config_dict: LoraConfig
+    serialized_tensors: str | None = None
+    serialized_named_tensors: list[str] | None = Field(default=None, min_length=1)
+    load_format: str | None = None
+    pinned: bool = False
+    added_tokens_config: dict[str, Any] | None = None
+    weight_version: str | None = Field(default=None, min_length=1, max_length=256)
+
+    @model_validator(mode="after")
+    def _one_entry(self) -> LoadLoraAdapterFromTensorsBody:
+        if (self.serialized_tensors is None) == (self.serialized_named_tensors is None):
+            raise ValueError("send serialized_tensors or serialized_named_tensors (one of them)")
+        if self.added_tokens_config:
+            raise ValueError("added_tokens_config: adapters that add tokens are not served")
+        return self
+
+    @property
+    def entry(self) -> str:
+        """The serialized factors (this server's one rank's)."""
+        if self.serialized_named_tensors is not None:
+            return self.serialized_named_tensors[0]
+        assert self.serialized_tensors is not None
+        return self.serialized_tensors
 
 
 class UnloadLoraAdapterBody(RequestModel):

@@ -1,5 +1,6 @@
 """LoRA adapter routes (``--enable-rl-control`` with ``--enable-lora``): vLLM's, SkyRL's and
-SGLang's names for loading and unloading an adapter (``pipeline.lora``)."""
+SGLang's names for loading and unloading an adapter (``pipeline.lora``), from its directory or
+(SGLang's ``/load_lora_adapter_from_tensors``) from a trainer's memory."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import pipeline_of
 from tokenwire.pipeline import lora
 from tokenwire.pipeline.context import Pipeline
-from tokenwire.protocol.control import LoadLoraAdapterBody, UnloadLoraAdapterBody
+from tokenwire.pipeline.weight_transfer import decode_tensors
+from tokenwire.protocol.control import (
+    LoadLoraAdapterBody,
+    LoadLoraAdapterFromTensorsBody,
+    UnloadLoraAdapterBody,
+)
 from tokenwire.protocol.responses import SGLangLoraResponse
 
 # Loading weights changes the server: the control key only (``api.control_key``).
@@ -68,6 +74,25 @@ async def sglang_load_lora_adapter(request: Request, body: LoadLoraAdapterBody) 
     except Exception as exc:
         return _sglang_answer(pipeline_of(request), exc)
     return _sglang_answer(pipeline_of(request), None)
+
+
+@router.post("/load_lora_adapter_from_tensors", response_model=SGLangLoraResponse)
+async def sglang_load_lora_adapter_from_tensors(
+    request: Request, body: LoadLoraAdapterFromTensorsBody
+) -> Response:
+    """SGLang's: an adapter from the trainer's memory, loaded (or replaced in place)."""
+    pipeline = pipeline_of(request)
+    try:
+        await lora.load_adapter_tensors(
+            pipeline,
+            body.lora_name,
+            decode_tensors(body.load_format, body.entry),
+            config=body.config_dict,
+            version=body.weight_version,
+        )
+    except Exception as exc:
+        return _sglang_answer(pipeline, exc)
+    return _sglang_answer(pipeline, None)
 
 
 @router.post("/unload_lora_adapter", response_model=SGLangLoraResponse)
