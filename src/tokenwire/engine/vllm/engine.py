@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from tokenwire import adapter_files
-from tokenwire.adapter_files import AdapterFileError
 from tokenwire.engine.base import (
     DEFAULT_WEIGHT_VERSION,
     AdapterTensors,
@@ -300,11 +299,6 @@ class VLLMEngine:
         written = None
         if isinstance(source, AdapterTensors):
             written = await asyncio.to_thread(self._write_adapter, source)
-        else:
-            try:  # vLLM's own error names neither the path nor what is wrong with it
-                await asyncio.to_thread(adapter_files.read_config, Path(source))
-            except AdapterFileError as exc:
-                raise WeightsError(str(exc)) from exc
         self._lora_ids += 1
         lora_id = self._lora_ids
         path = written or source
