@@ -9,6 +9,7 @@ leaves the group unusable: it is destroyed and ``WeightTransferError`` says why.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from tokenwire.engine.base import EngineError, WeightGroup, WeightTransferError, WeightUpdate
 from tokenwire.engine.hf.runner import ModelRunner
 from tokenwire.weight_transfer import (
+    TensorMeta,
     broadcast,
     join_group,
     leave_group,
@@ -70,6 +72,29 @@ class WeightReceiver:
 
     def receive(self, update: WeightUpdate) -> None:
         """On the engine thread: every tensor of ``update``, copied into the model."""
+
+        def weight_of(meta: TensorMeta) -> torch.Tensor | None:
+            weight = self._runner.weights[meta.name].detach()
+            return weight if weight.dtype == meta.dtype and weight.is_contiguous() else None
+
+        # A weight of the sent dtype takes the broadcast itself: no second copy of it is made.
+        self._receive(update, self._runner.copy_weight, weight_of)
+
+    def receive_tensors(self, update: WeightUpdate) -> dict[str, torch.Tensor]:
+        """Every tensor of ``update`` into new tensors (an adapter's factors; any thread: the
+        model is not touched)."""
+        received: dict[str, torch.Tensor] = {}
+        self._receive(update, received.__setitem__, lambda meta: None)
+        return received
+
+    def _receive(
+        self,
+        update: WeightUpdate,
+        take: Callable[[str, torch.Tensor], None],
+        target: Callable[[TensorMeta], torch.Tensor | None],
+    ) -> None:
+        """Each broadcast of ``update`` in order: into ``target(meta)`` when it names a tensor,
+        else into a new one handed to ``take``; a broadcast that breaks off leaves the group."""
         group = self._open_group()
         device = self._runner.device
         try:
@@ -79,42 +104,19 @@ class WeightReceiver:
                     buffer = torch.empty(size, dtype=torch.uint8, device=device)
                     broadcast(buffer, group)
                     for name, tensor in unpack(buffer, chunk):
-                        self._runner.copy_weight(name, tensor)
+                        take(name, tensor)
             else:
                 for meta in update.tensors:
-                    weight = self._runner.weights[meta.name].detach()
-                    if weight.dtype == meta.dtype and weight.is_contiguous():
-                        broadcast(weight, group)  # straight into the model: no second copy
+                    direct = target(meta)
+                    if direct is not None:
+                        broadcast(direct, group)
                         continue
                     tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
                     broadcast(tensor, group)
-                    self._runner.copy_weight(meta.name, tensor)
+                    take(meta.name, tensor)
         except Exception as exc:
             self.leave()
             raise WeightTransferError(f"the weight broadcast broke off: {exc}") from exc
-
-    def receive_tensors(self, update: WeightUpdate) -> dict[str, torch.Tensor]:
-        """Every tensor of ``update`` into new tensors (an adapter's factors; any thread: the
-        model is not touched)."""
-        group = self._open_group()
-        device = self._runner.device
-        received: dict[str, torch.Tensor] = {}
-        try:
-            if update.packed:
-                for chunk in packed_chunks(update.tensors, update.buffer_size_bytes):
-                    size = sum(meta.nbytes for meta in chunk)
-                    buffer = torch.empty(size, dtype=torch.uint8, device=device)
-                    broadcast(buffer, group)
-                    received.update(unpack(buffer, chunk))
-            else:
-                for meta in update.tensors:
-                    tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-                    broadcast(tensor, group)
-                    received[meta.name] = tensor
-        except Exception as exc:
-            self.leave()
-            raise WeightTransferError(f"the weight broadcast broke off: {exc}") from exc
-        return received
 
     def _open_group(self) -> Any:
         group = self._group
