@@ -22,7 +22,15 @@ import asyncio
 import itertools
 import json
 import threading
-from collections.abc import AsyncIterator, Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Callable,
+    Collection,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +39,7 @@ import numpy as np
 
 from tokenwire.engine.base import (
     DEFAULT_WEIGHT_VERSION,
+    AdapterTensors,
     EngineError,
     EngineFeature,
     EngineOutput,
@@ -351,6 +360,22 @@ class FakeEngine:
 
     async def copy_weights(self, tensors: dict[str, Any]) -> None:
         raise WeightsError("the fake engine has no weights")
+
+    # LoRA: the fake engine serves none (the hf engine does, in test_lora).
+
+    async def load_adapter(self, name: str, source: Path | AdapterTensors, version: str) -> None:
+        raise WeightsError("the fake engine has no weights")
+
+    async def unload_adapter(self, name: str) -> None:
+        return None
+
+    def check_adapter_update(
+        self, config: Mapping[str, Any], tensors: Sequence[TensorMeta]
+    ) -> None:
+        raise WeightsError("the fake engine has no weights")
+
+    async def receive_tensors(self, update: WeightUpdate) -> dict[str, Any]:
+        raise EngineError("the fake engine joins no group")
 
     # -- for tests ----------------------------------------------------------------------------
 

@@ -3,7 +3,10 @@ before any engine work (over the fake engine). The transfer itself is in test_we
 
 from __future__ import annotations
 
+import base64
+
 import pytest
+import safetensors.torch
 import torch
 
 from tests.conftest import assert_error
@@ -59,6 +62,10 @@ def test_server_info_reports_the_config(fast_rl: FastApp) -> None:
     assert info["vllm_config"]["weight_transfer_config"] == {"backend": "gloo", "timeout_s": 20.0}
 
 
+# The base64 of a safetensors file holding no tensors.
+_EMPTY = base64.b64encode(safetensors.torch.save({})).decode()
+
+
 @pytest.mark.parametrize(
     ("path", "body", "message"),
     [
@@ -107,6 +114,21 @@ def test_server_info_reports_the_config(fast_rl: FastApp) -> None:
             "is not a torch dtype",
         ),
         ("/destroy_weights_update_group", {"group_name": "g"}, "no weight-transfer group"),
+        (
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": [_EMPTY], "load_format": "safetensors", "lora_name": "x"},
+            "LoRA is off",
+        ),
+        (
+            "/update_weights",
+            {"update_info": {"names": [], "dtype_names": [], "shapes": [], "lora_name": ""}},
+            "lora_name",
+        ),
+        (
+            "/update_weights",
+            {"update_info": {"names": [], "dtype_names": [], "shapes": [], "lora_name": "x"}},
+            "not initialised",
+        ),
     ],
 )
 def test_bad_bodies_are_400s_before_any_transfer(
