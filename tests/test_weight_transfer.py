@@ -32,8 +32,6 @@ from tokenwire.assets import prepare
 from tokenwire.weight_transfer import broadcast, dtype_name, join_group, leave_group, pack
 
 GREEDY = {"temperature": 0, "max_tokens": 8, "logprobs": 0}
-# The hf engine receives weights over the group; --engine vllm refuses (the last test).
-hf_engine = pytest.mark.hf_only
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +133,6 @@ def update_info(params: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
     }
 
 
-@hf_engine
 def test_a_trainer_process_updates_two_servers(
     rl_server: Server,
     second_rl_server: Server,
@@ -180,7 +177,6 @@ def test_a_trainer_process_updates_two_servers(
             client.post("/update_weights", json={"weight_dir": str(base_dir)}).raise_for_status()
 
 
-@hf_engine
 def test_trl_bodies_packed_and_skyrl_bodies(
     rl_server: Server, rl: httpx.Client, base_dir: Path, prompt_ids: list[int]
 ) -> None:
@@ -257,7 +253,6 @@ def test_trl_bodies_packed_and_skyrl_bodies(
     assert_parity(greedy(rl, prompt_ids), base_dir, prompt_ids)
 
 
-@hf_engine
 def test_update_weights_from_tensor_takes_safetensors_never_pickles(
     rl: httpx.Client, base_dir: Path, prompt_ids: list[int]
 ) -> None:
@@ -278,7 +273,6 @@ def test_update_weights_from_tensor_takes_safetensors_never_pickles(
     assert greedy(rl, prompt_ids)["finish_reason"] in ("stop", "length")
 
 
-@hf_engine
 def test_a_trainer_killed_mid_broadcast_then_a_complete_update(
     rl_server: Server, rl: httpx.Client, base_dir: Path, prompt_ids: list[int]
 ) -> None:
@@ -318,7 +312,6 @@ def test_a_trainer_killed_mid_broadcast_then_a_complete_update(
     assert_parity(choice, base_dir, prompt_ids)
 
 
-@hf_engine
 def test_refusals(
     rl_server: Server, rl: httpx.Client, base_dir: Path, prompt_ids: list[int]
 ) -> None:

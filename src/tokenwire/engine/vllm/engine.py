@@ -4,12 +4,14 @@ vLLM runs its engine core in its own processes and streams ``RequestOutput`` del
 collector per request on this event loop; this class only translates (``config`` for requests,
 ``outputs`` for results) and maps the RL-control calls onto AsyncLLM's own: pause/resume with
 vLLM's three modes, weight versions stamped on every engine step, and in-place reloads through
-``collective_rpc`` (vLLM's ``reload_weights`` inside ``worker``'s extension).
+``collective_rpc`` (vLLM's ``reload_weights`` inside ``worker``'s extension): from a checkpoint,
+or from tensors the worker received over the trainer's weight-transfer group.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import shutil
 import tempfile
@@ -30,18 +32,25 @@ from tokenwire.engine.base import (
     SamplingParams,
     WeightGroup,
     WeightsError,
+    WeightTransferError,
     WeightUpdate,
 )
 from tokenwire.engine.vllm.config import engine_args, sampling_params
 from tokenwire.engine.vllm.outputs import OutputState
-from tokenwire.engine.vllm.weights import check_fits, checkpoint_layout
-from tokenwire.weight_transfer import TensorMeta
+from tokenwire.engine.vllm.weights import check_fits, check_tensors, checkpoint_layout
+from tokenwire.weight_transfer import TensorMeta, dtype_name
 
 logger = logging.getLogger(__name__)
-_NO_TRANSFER = (
-    "the vllm engine does not receive weights in memory here; load a checkpoint directory "
-    "(/update_weights {weight_dir}) or serve with --engine hf (backend gloo)"
+_NO_ADAPTER_TRANSFER = (
+    "the vllm engine does not take LoRA factors over a weight-transfer group; send them with "
+    "SGLang's /load_lora_adapter_from_tensors or write the adapter to a directory"
 )
+
+
+def _safetensors(tensors: Mapping[str, Any]) -> bytes:
+    from safetensors.torch import save
+
+    return save({name: tensor.contiguous() for name, tensor in tensors.items()})
 
 
 @dataclass(slots=True, eq=False)
@@ -109,6 +118,13 @@ class VLLMEngine:
         self._paused = False
         self._live: dict[str, str] = {}  # tokenwire request id -> vLLM's internal id
         self._layout = checkpoint_layout(self.model_dir) if self._has_safetensors() else None
+        # Weight transfer (worker.py): what the worker's device can receive over, the tensors
+        # a trainer may send (the checkpoint's, and a tied output layer's with its twin), and
+        # those received that wait in the worker for the rest of their layer.
+        self._backends: tuple[str, ...] = ()
+        self._transfer_layout: dict[str, tuple[int, ...]] = {}
+        self._twins: dict[str, str] = {}
+        self._waiting: set[str] = set()
 
     def _has_safetensors(self) -> bool:
         return any(self.model_dir.glob("*.safetensors"))
@@ -144,6 +160,19 @@ class VLLMEngine:
             eos = getattr(config.hf_text_config, "eos_token_id", None)
         eos_list = eos if isinstance(eos, list | tuple) else [eos]
         self.eos_token_ids = tuple(int(e) for e in eos_list if e is not None)
+        # One receiving rank per server: with several workers each would need its own.
+        if self._layout is not None and self._llm.vllm_config.parallel_config.world_size == 1:
+            info = await self._rpc("tokenwire_weight_layers", names=list(self._layout))
+            self._transfer_layout = dict(self._layout)
+            twin = info["tied_head"]
+            if twin is not None:
+                self._transfer_layout["lm_head.weight"] = self._layout[twin]
+                self._twins = {"lm_head.weight": twin, twin: "lm_head.weight"}
+            self._backends = ("gloo", "nccl") if info["device"] == "cuda" else ("gloo",)
+
+    async def _rpc(self, method: str, **kwargs: Any) -> Any:
+        """``method`` of ``worker``'s extension on every worker; the first worker's answer."""
+        return (await self._llm.collective_rpc(method, kwargs=kwargs))[0]
 
     def is_ready(self) -> bool:
         return self._llm is not None and not self._llm.errored
@@ -264,9 +293,8 @@ class VLLMEngine:
         if self._layout is None:
             raise WeightsError("the served model was not loaded from safetensors")
         check_fits(self._layout, new)
-        await self._llm.collective_rpc(
-            "tokenwire_reload_weights", kwargs={"weights_path": str(weight_dir)}
-        )
+        await self._rpc("tokenwire_reload_weights", weights_path=str(weight_dir))
+        self._waiting.clear()  # the workers dropped them: the checkpoint replaces them
         await self.set_weight_version(version)
         if not await self._llm.reset_prefix_cache():
             logger.warning("prefix cache not reset after the reload: requests still hold blocks")
@@ -341,39 +369,74 @@ class VLLMEngine:
         except Exception:  # a dead engine holds nothing; the request that ended is unaffected
             logger.warning("vLLM did not remove LoRA id %d", lora_id, exc_info=True)
 
-    # -- weight transfer: not on this engine yet (see docs/api.md) ---------------------------
-    # vLLM's own transfer engines (nccl, ipc) need CUDA, and a gloo one registered with its
-    # factory would have to be registered inside vLLM's worker processes; tokenwire routes
-    # neither yet, so the pipeline refuses the routes (400) before any of these is reached.
+    # -- weight transfer: received inside vLLM's workers (worker.py) ----------------------------
+    # Every call below is a collective_rpc: vLLM's engine core runs it between steps, so a join
+    # waits for the trainer with generation stopped, and the pipeline has paused generation
+    # around receipt.
 
     def weight_transfer_backends(self) -> tuple[str, ...]:
-        return ()
+        """gloo moves CPU tensors (and CUDA ones); nccl only CUDA ones. None without a
+        safetensors checkpoint (tensors are checked against its names) or with several
+        workers (tensor or pipeline parallel)."""
+        return self._backends
 
     async def join_weight_group(self, group: WeightGroup) -> None:
-        raise EngineError(_NO_TRANSFER)
+        self._require_running()
+        try:
+            await self._rpc("tokenwire_join_group", **dataclasses.asdict(group))
+        except Exception as exc:  # refused, timed out, a rank missing
+            raise WeightTransferError(f"could not join the trainer's group: {exc}") from exc
 
     async def leave_weight_group(self) -> None:
-        return None
+        self._waiting.clear()
+        if self.is_ready():
+            await self._rpc("tokenwire_leave_group")
 
     def check_weight_update(self, tensors: Sequence[TensorMeta]) -> None:
-        raise EngineError(_NO_TRANSFER)
+        check_tensors(self._transfer_layout, ((t.name, t.dtype, t.shape) for t in tensors))
 
     async def receive_weights(self, update: WeightUpdate) -> None:
-        raise EngineError(_NO_TRANSFER)
+        """The workers receive every tensor, then load each layer whose tensors all came."""
+        self._require_running()
+        tensors = [(t.name, dtype_name(t.dtype), list(t.shape)) for t in update.tensors]
+        try:
+            waiting = await self._rpc(
+                "tokenwire_receive_weights",
+                tensors=tensors,
+                packed=update.packed,
+                buffer_size_bytes=update.buffer_size_bytes,
+            )
+        except Exception as exc:  # the workers left the group and dropped what was waiting
+            self._waiting.clear()
+            raise WeightTransferError(str(exc)) from exc
+        self._waiting = set(waiting)
 
     def missing_weights(self, given: Collection[str]) -> list[str]:
-        raise EngineError(_NO_TRANSFER)
+        """Weights not given (a tied one counts with its twin), or given but still waiting in
+        the worker for the rest of their layer."""
+        twins = self._twins
+        return [
+            name
+            for name in self._transfer_layout
+            if name in self._waiting or (name not in given and twins.get(name) not in given)
+        ]
 
     async def copy_weights(self, tensors: dict[str, Any]) -> None:
-        raise EngineError(_NO_TRANSFER)
+        self._require_running()
+        self.check_weight_update(
+            [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+        )
+        # vLLM's RPCs turn tensors into nested lists: they travel as one safetensors file.
+        data = await asyncio.to_thread(_safetensors, tensors)
+        self._waiting = set(await self._rpc("tokenwire_copy_weights", data=data))
 
     def check_adapter_update(
         self, config: Mapping[str, Any], tensors: Sequence[TensorMeta]
     ) -> None:
-        raise EngineError(_NO_TRANSFER)
+        raise WeightsError(_NO_ADAPTER_TRANSFER)
 
     async def receive_tensors(self, update: WeightUpdate) -> dict[str, Any]:
-        raise EngineError(_NO_TRANSFER)
+        raise EngineError(_NO_ADAPTER_TRANSFER)
 
     def _require_running(self) -> None:
         if not self.is_ready():

@@ -2,34 +2,193 @@
 
 This module is imported inside vLLM's worker processes, which have tokenwire installed beside
 vLLM; ``collective_rpc("tokenwire_reload_weights", ...)`` calls the method on every worker.
+
+Weights from a trainer's group (``tokenwire.weight_transfer``) come in here too: each update's
+tensors are received into new tensors first, so a broadcast that breaks off leaves the model as
+it was, and only then loaded through vLLM's in-place reload (which repacks them for its kernels).
+vLLM fuses some checkpoint tensors into one layer (q/k/v into ``qkv_proj``) and its reload
+rebuilds a layer from what it is given, so a layer loads only once all of its tensors came (in
+this update or an earlier one); until then they wait here.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 WORKER_EXTENSION = "tokenwire.engine.vllm.worker.TokenwireWorkerExtension"
+# vLLM's reload warns about every layer a partial load leaves alone (one line each).
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload"
 
 
 class TokenwireWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner``...)."""
 
     model_runner: Any
+    device: Any
+    _tokenwire_group: Any = None  # the trainer's process group, once joined
+    _tokenwire_layer_of: dict[str, str] | None = None  # checkpoint name -> vLLM layer
+    _tokenwire_staged: dict[str, Any] | None = None  # received, waiting for their layer
 
     def tokenwire_reload_weights(self, weights_path: str) -> None:
-        """vLLM's in-place reload, then the CPU copy of a tied output layer made again.
+        """vLLM's in-place reload, then the tied output layer repacked (``_repack_tied_head``).
+        Tensors still waiting for their layer are dropped: the checkpoint replaces them."""
+        self._tokenwire_staged = {}
+        self.model_runner.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
+        self._repack_tied_head()
 
-        On CPU vLLM packs each linear weight for its GEMM kernels once, after loading. A tied
-        ``lm_head`` shares the embedding's weight but loads nothing of its own, so the reload
+    def _repack_tied_head(self) -> None:
+        """On CPU vLLM packs each linear weight for its GEMM kernels once, after loading. A tied
+        ``lm_head`` shares the embedding's weight but loads nothing of its own, so a reload
         leaves its packed copy holding the OLD embedding: logprobs then drift by ~2e-2 from a
-        forward with the new weights. Packing it again restores parity (~6e-6 measured).
-        """
+        forward with the new weights. Packing it again restores parity (~6e-6 measured)."""
         from vllm.platforms import current_platform
 
-        self.model_runner.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
         model = self.model_runner.get_model()
         head = getattr(model, "lm_head", None)
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
         tied = head is not None and embed is not None and head.weight is embed.weight
         if tied and current_platform.is_cpu():
             head.quant_method.process_weights_after_loading(head)
+
+    def tokenwire_weight_layers(self, names: Sequence[str]) -> dict[str, Any]:
+        """Remember which vLLM layer each checkpoint tensor loads into. Returns the device type
+        and, for a tied output layer, ``lm_head.weight``'s twin (trainers may send it: vLLM's
+        loaders skip it).
+
+        The layer is the deepest module of the model on the tensor's path, after vLLM's own
+        renaming of fused parts (``packed_modules_mapping``); a path the model does not have
+        ends at the root, so such tensors load together with every other one."""
+        model = self.model_runner.get_model()
+        fused = getattr(model, "packed_modules_mapping", {}) or {}
+        renamed = {part: whole for whole, parts in fused.items() for part in parts}
+        modules = dict(model.named_modules())
+        layers = {}
+        for name in names:
+            path = name.split(".")[:-1]
+            if path and path[-1] in renamed:
+                path[-1] = renamed[path[-1]]
+            while path and ".".join(path) not in modules:
+                path.pop()
+            layers[name] = ".".join(path)
+        twin = None
+        head = getattr(model, "lm_head", None)
+        if head is not None and "lm_head.weight" not in layers:
+            twin = next(
+                (
+                    f"{path}.weight"
+                    for path, module in modules.items()
+                    if module is not head
+                    and getattr(module, "weight", None) is head.weight
+                    and f"{path}.weight" in layers
+                ),
+                None,
+            )
+            if twin is not None:
+                layers["lm_head.weight"] = "lm_head"
+        self._tokenwire_layer_of = layers
+        self._tokenwire_staged = {}
+        return {"device": str(self.device.type), "tied_head": twin}
+
+    def tokenwire_join_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        backend: str,
+        group_name: str,
+        timeout_s: float,
+    ) -> None:
+        from tokenwire.weight_transfer import join_group
+
+        if self._tokenwire_group is not None:
+            raise RuntimeError("a weight-transfer group is already open")
+        self._tokenwire_group = join_group(
+            master_address=master_address,
+            master_port=master_port,
+            rank=rank,
+            world_size=world_size,
+            backend=backend,
+            group_name=group_name,
+            timeout_s=timeout_s,
+        )
+
+    def tokenwire_leave_group(self) -> None:
+        """Leave the group; tensors received over it and still waiting are dropped."""
+        from tokenwire.weight_transfer import leave_group
+
+        group, self._tokenwire_group = self._tokenwire_group, None
+        self._tokenwire_staged = {}
+        if group is not None:
+            leave_group(group)
+
+    def tokenwire_receive_weights(
+        self, tensors: Sequence[tuple[str, str, list[int]]], packed: bool, buffer_size_bytes: int
+    ) -> list[str]:
+        """Receive one update (names checked by the engine), then load every layer whose
+        tensors all came; return the names still waiting for the rest of their layer."""
+        import torch
+
+        from tokenwire.weight_transfer import (
+            TensorMeta,
+            broadcast,
+            dtype_named,
+            packed_chunks,
+            unpack,
+        )
+
+        group = self._tokenwire_group
+        if group is None:
+            raise RuntimeError("no weight-transfer group is open")
+        metas = [TensorMeta(n, dtype_named(d), tuple(s)) for n, d, s in tensors]  # type: ignore[arg-type]
+        received: dict[str, Any] = {}
+        try:
+            if packed:
+                for chunk in packed_chunks(metas, buffer_size_bytes):
+                    size = sum(meta.nbytes for meta in chunk)
+                    buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+                    broadcast(buffer, group)
+                    received.update(unpack(buffer, chunk))
+            else:
+                for meta in metas:
+                    tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+                    broadcast(tensor, group)
+                    received[meta.name] = tensor
+        except Exception as exc:  # the trainer died or stalled past the group's timeout
+            self.tokenwire_leave_group()
+            raise RuntimeError(f"the weight broadcast broke off: {exc}") from exc
+        return self._tokenwire_load(received.items())
+
+    def tokenwire_copy_weights(self, data: bytes) -> list[str]:
+        """Tensors from the server process (checked there; one safetensors file), loaded as
+        received ones are."""
+        from safetensors.torch import load
+
+        return self._tokenwire_load((n, t.to(self.device)) for n, t in load(data).items())
+
+    def _tokenwire_load(self, tensors: Iterable[tuple[str, Any]]) -> list[str]:
+        """Stage ``tensors``, load the layers now complete in one in-place reload, and return
+        the names still waiting."""
+        layer_of = self._tokenwire_layer_of
+        staged = self._tokenwire_staged
+        if layer_of is None or staged is None:
+            raise RuntimeError("tokenwire_weight_layers was not called")
+        staged.update(tensors)
+        waiting_layers = {layer_of[n] for n in layer_of if n not in staged}
+        ready = [(n, t) for n, t in staged.items() if layer_of[n] not in waiting_layers]
+        if ready:
+            for name, _ in ready:
+                del staged[name]
+            partial = len(ready) < len(layer_of)
+            reload_logger = logging.getLogger(_RELOAD_LOGGER)
+            level = reload_logger.level
+            if partial:  # the layers left alone are meant to be
+                reload_logger.setLevel(logging.ERROR)
+            try:
+                self.model_runner.reload_weights(weights_iterator=ready, is_checkpoint_format=True)
+            finally:
+                reload_logger.setLevel(level)
+            self._repack_tied_head()
+        return sorted(staged)
