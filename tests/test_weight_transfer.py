@@ -1,7 +1,8 @@
-"""Weights without disk, end to end on SmolLM2 over gloo on 127.0.0.1: a real trainer process
-(one optimizer step) broadcasting to two servers through ``tokenwire.client``; vLLM's and
-SGLang's protocol driven by hand with the bodies TRL and SkyRL send; a trainer killed
-mid-broadcast; and the refusals. Every test leaves ``rl_server`` with the base weights."""
+"""Weights without disk, end to end on SmolLM2 over gloo on 127.0.0.1, under either engine: a
+real trainer process (one optimizer step) broadcasting to two servers through
+``tokenwire.client``; vLLM's and SGLang's protocol driven by hand with the bodies TRL and SkyRL
+send; a trainer killed mid-broadcast; the refusals; and vLLM's fused layers. Every test leaves
+``rl_server`` with the base weights."""
 
 from __future__ import annotations
 
@@ -367,11 +368,37 @@ def test_refusals(
     assert_parity(greedy(rl, prompt_ids), base_dir, prompt_ids)
 
 
-def test_the_vllm_engine_refuses_with_the_backends_that_work(rl: httpx.Client) -> None:
-    """On --engine vllm the routes answer a 400 naming the working backends (none yet)."""
+def test_a_fused_layer_loads_once_all_its_tensors_came(
+    rl: httpx.Client, base_dir: Path, prompt_ids: list[int]
+) -> None:
+    """vLLM fuses q/k/v into one layer and its reload rebuilds a layer from what it is given:
+    under --engine vllm a tensor of such a layer sent alone (SGLang's one-tensor form) waits in
+    the worker until the others came, rather than leaving k and v unset."""
     if SESSION_ENGINE["kind"] != "vllm":
-        pytest.skip("the hf engine receives weights (the tests above)")
-    init_info = {"master_address": "127.0.0.1", "master_port": free_port()}
-    init_info |= {"rank_offset": 1, "world_size": 2}
-    response = rl.post("/init_weight_transfer_engine", json={"init_info": init_info})
-    assert_error(response, 400, "backends that work here: none")
+        pytest.skip("the hf engine loads each tensor as it comes")
+    params = dict(base_params(base_dir))
+    attention = "model.layers.0.self_attn."
+    skyrl = Trainer("skyrl")
+    group = {"master_address": "127.0.0.1", "master_port": skyrl.port, "rank_offset": 1}
+    group |= {"world_size": 2, "group_name": "skyrl", "backend": "gloo"}
+    assert ok(skyrl.join(lambda: rl.post("/init_weights_update_group", json=group)))["success"]
+
+    def send(name: str, tensor: torch.Tensor) -> None:
+        body = {"name": name, "dtype": "float32", "shape": list(tensor.shape)}
+        body["group_name"] = "skyrl"
+        post = lambda: rl.post("/update_weights_from_distributed", json=body)  # noqa: E731
+        assert skyrl.send(post, [tensor])["success"] is True
+
+    base = greedy(rl, prompt_ids)
+    send(attention + "q_proj.weight", torch.zeros_like(params[attention + "q_proj.weight"]))
+    assert greedy(rl, prompt_ids) == base  # q waits for k and v
+    for part in ("k_proj", "v_proj"):
+        send(attention + f"{part}.weight", params[attention + f"{part}.weight"])
+    changed = greedy(rl, prompt_ids)  # now the zeroed q is in
+    got = [entry["logprob"] for entry in changed["logprobs"]["content"]]
+    want = [entry["logprob"] for entry in base["logprobs"]["content"]]
+    assert changed["token_ids"] != base["token_ids"] or got != want
+    assert ok(rl.post("/destroy_weights_update_group", json={"group_name": "skyrl"}))["success"]
+    skyrl.leave()
+    ok(rl.post("/update_weights", json={"weight_dir": str(base_dir)}))
+    assert_parity(greedy(rl, prompt_ids), base_dir, prompt_ids)
