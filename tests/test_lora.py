@@ -441,7 +441,7 @@ def _b64_safetensors(tensors: dict[str, torch.Tensor]) -> str:
     return base64.b64encode(save(tensors)).decode()
 
 
-@pytest.mark.hf_only  # the vLLM engine takes no weight-transfer group yet (docs/api.md)
+@pytest.mark.hf_only  # the vLLM engine takes no LoRA factors over the group (docs/api.md)
 def test_adapter_over_the_weight_transfer_group(lora_server: Server, tmp_path: Path) -> None:
     """A trainer's adapter over vLLM's four phases (``update_info.lora_name``), new and then in
     place, and over SGLang's ``/update_weights_from_distributed``: each version serves PEFT's

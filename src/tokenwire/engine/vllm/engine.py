@@ -160,8 +160,11 @@ class VLLMEngine:
             eos = getattr(config.hf_text_config, "eos_token_id", None)
         eos_list = eos if isinstance(eos, list | tuple) else [eos]
         self.eos_token_ids = tuple(int(e) for e in eos_list if e is not None)
-        # One receiving rank per server: with several workers each would need its own.
-        if self._layout is not None and self._llm.vllm_config.parallel_config.world_size == 1:
+        # One receiving rank per server: several workers (tensor, pipeline or data parallel)
+        # would each need their own.
+        parallel = self._llm.vllm_config.parallel_config
+        one_worker = parallel.world_size == 1 and parallel.data_parallel_size == 1
+        if self._layout is not None and one_worker:
             info = await self._rpc("tokenwire_weight_layers", names=list(self._layout))
             self._transfer_layout = dict(self._layout)
             twin = info["tied_head"]
