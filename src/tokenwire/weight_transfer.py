@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -172,3 +172,36 @@ def broadcast(tensor: torch.Tensor, group: Any) -> None:
     import torch.distributed as dist
 
     dist.broadcast(tensor, src=0, group=group)
+
+
+def receive(
+    metas: Sequence[TensorMeta],
+    group: Any,
+    device: torch.device,
+    take: Callable[[str, torch.Tensor], None],
+    *,
+    packed: bool = False,
+    buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    target: Callable[[TensorMeta], torch.Tensor | None] | None = None,
+) -> None:
+    """A receiver's side of one update: each broadcast in the order the trainer sends them
+    (``packed``: vLLM's packed chunks). A tensor comes into ``target(meta)`` when that names one
+    (a model weight of the sent dtype: no second copy), else into a new tensor handed to
+    ``take(name, tensor)``. Raises what the group raises when a broadcast breaks off."""
+    import torch
+
+    if packed:
+        for chunk in packed_chunks(metas, buffer_size_bytes):
+            buffer = torch.empty(sum(m.nbytes for m in chunk), dtype=torch.uint8, device=device)
+            broadcast(buffer, group)
+            for name, tensor in unpack(buffer, chunk):
+                take(name, tensor)
+        return
+    for meta in metas:
+        direct = None if target is None else target(meta)
+        if direct is not None:
+            broadcast(direct, group)
+            continue
+        tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+        broadcast(tensor, group)
+        take(meta.name, tensor)

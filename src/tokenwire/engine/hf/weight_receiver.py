@@ -16,14 +16,7 @@ import torch
 
 from tokenwire.engine.base import EngineError, WeightGroup, WeightTransferError, WeightUpdate
 from tokenwire.engine.hf.runner import ModelRunner
-from tokenwire.weight_transfer import (
-    TensorMeta,
-    broadcast,
-    join_group,
-    leave_group,
-    packed_chunks,
-    unpack,
-)
+from tokenwire.weight_transfer import TensorMeta, join_group, leave_group, receive
 
 
 class WeightReceiver:
@@ -77,43 +70,32 @@ class WeightReceiver:
             weight = self._runner.weights[meta.name].detach()
             return weight if weight.dtype == meta.dtype and weight.is_contiguous() else None
 
-        # A weight of the sent dtype takes the broadcast itself: no second copy of it is made.
         self._receive(update, self._runner.copy_weight, weight_of)
 
     def receive_tensors(self, update: WeightUpdate) -> dict[str, torch.Tensor]:
         """Every tensor of ``update`` into new tensors (an adapter's factors; any thread: the
         model is not touched)."""
         received: dict[str, torch.Tensor] = {}
-        self._receive(update, received.__setitem__, lambda meta: None)
+        self._receive(update, received.__setitem__, None)
         return received
 
     def _receive(
         self,
         update: WeightUpdate,
         take: Callable[[str, torch.Tensor], None],
-        target: Callable[[TensorMeta], torch.Tensor | None],
+        target: Callable[[TensorMeta], torch.Tensor | None] | None,
     ) -> None:
-        """Each broadcast of ``update`` in order: into ``target(meta)`` when it names a tensor,
-        else into a new one handed to ``take``; a broadcast that breaks off leaves the group."""
         group = self._open_group()
-        device = self._runner.device
         try:
-            if update.packed:
-                for chunk in packed_chunks(update.tensors, update.buffer_size_bytes):
-                    size = sum(meta.nbytes for meta in chunk)
-                    buffer = torch.empty(size, dtype=torch.uint8, device=device)
-                    broadcast(buffer, group)
-                    for name, tensor in unpack(buffer, chunk):
-                        take(name, tensor)
-            else:
-                for meta in update.tensors:
-                    direct = target(meta)
-                    if direct is not None:
-                        broadcast(direct, group)
-                        continue
-                    tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-                    broadcast(tensor, group)
-                    take(meta.name, tensor)
+            receive(
+                update.tensors,
+                group,
+                self._runner.device,
+                take,
+                packed=update.packed,
+                buffer_size_bytes=update.buffer_size_bytes,
+                target=target,
+            )
         except Exception as exc:
             self.leave()
             raise WeightTransferError(f"the weight broadcast broke off: {exc}") from exc

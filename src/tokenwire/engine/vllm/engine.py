@@ -386,7 +386,7 @@ class VLLMEngine:
     async def join_weight_group(self, group: WeightGroup) -> None:
         self._require_running()
         try:
-            await self._rpc("tokenwire_join_group", **dataclasses.asdict(group))
+            await self._rpc("tokenwire_join_group", spec=dataclasses.asdict(group))
         except Exception as exc:  # refused, timed out, a rank missing
             raise WeightTransferError(f"could not join the trainer's group: {exc}") from exc
 

@@ -91,29 +91,13 @@ class TokenwireWorkerExtension:
         self._tokenwire_staged = {}
         return {"device": str(self.device.type), "tied_head": twin}
 
-    def tokenwire_join_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank: int,
-        world_size: int,
-        backend: str,
-        group_name: str,
-        timeout_s: float,
-    ) -> None:
+    def tokenwire_join_group(self, spec: dict[str, Any]) -> None:
+        """Join the trainer's group: ``spec`` is ``join_group``'s keywords (a ``WeightGroup``)."""
         from tokenwire.weight_transfer import join_group
 
         if self._tokenwire_group is not None:
             raise RuntimeError("a weight-transfer group is already open")
-        self._tokenwire_group = join_group(
-            master_address=master_address,
-            master_port=master_port,
-            rank=rank,
-            world_size=world_size,
-            backend=backend,
-            group_name=group_name,
-            timeout_s=timeout_s,
-        )
+        self._tokenwire_group = join_group(**spec)
 
     def tokenwire_leave_group(self) -> None:
         """Leave the group; tensors received over it and still waiting are dropped."""
@@ -129,15 +113,7 @@ class TokenwireWorkerExtension:
     ) -> list[str]:
         """Receive one update (names checked by the engine), then load every layer whose
         tensors all came; return the names still waiting for the rest of their layer."""
-        import torch
-
-        from tokenwire.weight_transfer import (
-            TensorMeta,
-            broadcast,
-            dtype_named,
-            packed_chunks,
-            unpack,
-        )
+        from tokenwire.weight_transfer import TensorMeta, dtype_named, receive
 
         group = self._tokenwire_group
         if group is None:
@@ -145,17 +121,14 @@ class TokenwireWorkerExtension:
         metas = [TensorMeta(n, dtype_named(d), tuple(s)) for n, d, s in tensors]  # type: ignore[arg-type]
         received: dict[str, Any] = {}
         try:
-            if packed:
-                for chunk in packed_chunks(metas, buffer_size_bytes):
-                    size = sum(meta.nbytes for meta in chunk)
-                    buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-                    broadcast(buffer, group)
-                    received.update(unpack(buffer, chunk))
-            else:
-                for meta in metas:
-                    tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
-                    broadcast(tensor, group)
-                    received[meta.name] = tensor
+            receive(
+                metas,
+                group,
+                self.device,
+                received.__setitem__,
+                packed=packed,
+                buffer_size_bytes=buffer_size_bytes,
+            )
         except Exception as exc:  # the trainer died or stalled past the group's timeout
             self.tokenwire_leave_group()
             raise RuntimeError(f"the weight broadcast broke off: {exc}") from exc
