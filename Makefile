@@ -92,4 +92,5 @@ test-vllm: install-vllm
 
 bench-vllm: install install-vllm
 	$(VLLM_ENV) $(VPY) bench/bench_vs_vllm.py
+	$(VLLM_ENV) $(VPY) bench/bench_weight_transfer.py --engine vllm
 	$(PY) bench/bench_engines.py --vllm-python $(VPY)

@@ -10,7 +10,9 @@ process as the trainer, alternating the paths for ``--rounds`` rounds (median re
 Models: SmolLM2-135M (float32, as served) and a ~0.5B Llama of seeded random weights built here
 (bfloat16). The weights are perturbed before each round so every update carries new values.
 
-Usage: ``python bench/bench_weight_transfer.py [--rounds 3] [--quick]`` (quick: SmolLM2 only).
+Usage: ``python bench/bench_weight_transfer.py [--rounds 3] [--quick] [--engine vllm]`` (quick:
+SmolLM2 only; ``--engine vllm`` runs the server on vLLM's engine, float32, eager: run it with
+``.venv-vllm``'s python, as ``make bench-vllm`` does).
 """
 
 from __future__ import annotations
@@ -64,10 +66,18 @@ def perturb(model: torch.nn.Module, step: int) -> None:
             param.mul_(1 + 1e-3 * (step % 2 * 2 - 1))
 
 
-def bench_model(label: str, model_dir: Path, rounds: int, scratch: Path) -> dict[str, object]:
+# The server flags of ``--engine vllm``: as the tests run vLLM's CPU engine.
+VLLM_FLAGS = ("--engine", "vllm", "--dtype", "float32", "--enforce-eager")
+
+
+def bench_model(
+    label: str, model_dir: Path, rounds: int, scratch: Path, engine_flags: tuple[str, ...]
+) -> dict[str, object]:
     port = free_port()
     command = tokenwire_command(
-        port, "--model", str(model_dir), "--enable-rl-control", "--weight-transfer-config", CONFIG
+        port,
+        *("--model", str(model_dir), "--enable-rl-control", "--weight-transfer-config", CONFIG),
+        *engine_flags,
     )
     server = ServerProcess(command, port, log=scratch / f"{label}.log")
     model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -108,17 +118,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--engine", choices=["hf", "vllm"], default="hf")
     args = parser.parse_args()
+    engine_flags = VLLM_FLAGS if args.engine == "vllm" else ()
     base = prepare("smollm2-135m-instruct")
     with tempfile.TemporaryDirectory(prefix="tw-bench-weights-") as tmp:
         scratch = Path(tmp)
         models = [("SmolLM2-135M fp32", base)]
         if not args.quick:
             models.append(("random 0.5B bf16", random_half_b(base, scratch / "half-b")))
+        print(f"engine: {args.engine}")
         print("| model | weights | path | s / update | GB/s | disk (save + reload) / path |")
         print("| --- | ---: | --- | ---: | ---: | ---: |")
         for label, model_dir in models:
-            result = bench_model(label, model_dir, args.rounds, scratch)
+            result = bench_model(label, model_dir, args.rounds, scratch, engine_flags)
             size = int(result["bytes"])  # type: ignore[call-overload]
             medians: dict[str, float] = result["medians"]  # type: ignore[assignment]
             for kind in ("gloo", "gloo packed", "disk", "reload"):
