@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tokenwire.engine import checkpoint
 from tokenwire.engine.base import WeightsError
-from tokenwire.engine.hf import checkpoint
-from tokenwire.engine.hf.checkpoint import read_checkpoint
+from tokenwire.engine.checkpoint import read_checkpoint
 
 TENSORS = {
     "f32": torch.randn(64, 32),
@@ -51,7 +51,7 @@ def test_reads_what_safetensors_reads(tmp_path: Path) -> None:
 _TOUCH_AFTER_TRUNCATION = """
 import os, sys
 from pathlib import Path
-from tokenwire.engine.hf.checkpoint import read_checkpoint
+from tokenwire.engine.checkpoint import read_checkpoint
 tensors = read_checkpoint(Path(sys.argv[1]))
 os.truncate(sys.argv[2], 64)  # the trainer rewrites the file before the swap copies it
 print(float(sum(t.float().sum() for t in tensors.values())))

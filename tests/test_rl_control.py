@@ -20,9 +20,9 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
-from tests.conftest import Server
+from tests.conftest import SESSION_ENGINE, Server
 from tokenwire.assets import prepare
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -264,18 +264,45 @@ def test_bad_weights_are_refused_and_the_old_ones_stay(rl: httpx.Client, tmp_pat
     assert ok(rl.get("/weight_info")) == {"weight_version": "default"}
 
 
-@pytest.mark.hf_only  # vLLM's own loader reads the files (docs/api.md): it checks no values
-def test_nonfinite_weights_are_a_400(rl: httpx.Client, tmp_path: Path) -> None:
+def test_nonfinite_weights_are_a_400(rl: httpx.Client, base_dir: Path, tmp_path: Path) -> None:
     before = ok(generate(rl, [1, 2, 3], max_tokens=6))["choices"][0]["token_ids"]
-    save_file({"model.norm.weight": torch.full((576,), float("nan"))}, tmp_path / "x.safetensors")
+    tensors = load_file(base_dir / "model.safetensors")
+    tensors["model.norm.weight"] = torch.full((576,), float("nan"))
+    save_file(tensors, tmp_path / "model.safetensors")
     refused = rl.post("/update_weights", json={"weight_dir": str(tmp_path)})
     assert refused.status_code == 400, refused.text
     assert "model.norm.weight holds NaN or infinite values" in refused.json()["error"]["message"]
     assert ok(generate(rl, [1, 2, 3], max_tokens=6))["choices"][0]["token_ids"] == before
 
 
-# vLLM's workers read the files themselves (docs/api.md): a rewrite under them can kill the engine.
-@pytest.mark.hf_only
+def test_a_reload_that_fails_after_its_first_file(
+    rl: httpx.Client, base_dir: Path, tmp_path: Path
+) -> None:
+    """A checkpoint in two files, the second holding NaN. The hf engine reads every file before
+    it swaps a weight: a 400, the old weights serve. vLLM's worker loads file by file, so the
+    first file's layers are new: a 400 that says so, and generation is refused until a
+    checkpoint loads whole."""
+    before = ok(generate(rl, [1, 2, 3], max_tokens=6))["choices"][0]["token_ids"]
+    tensors = load_file(base_dir / "model.safetensors")
+    names = sorted(tensors)  # model.norm.weight sorts into the second half
+    half = len(names) // 2
+    save_file({n: tensors[n] for n in names[:half]}, tmp_path / "model-00001-of-00002.safetensors")
+    second = {n: tensors[n] for n in names[half:]}
+    second["model.norm.weight"] = torch.full((576,), float("nan"))
+    save_file(second, tmp_path / "model-00002-of-00002.safetensors")
+    refused = rl.post("/update_weights", json={"weight_dir": str(tmp_path)})
+    assert refused.status_code == 400, refused.text
+    assert "model.norm.weight holds NaN or infinite values" in refused.text
+    after = generate(rl, [1, 2, 3], max_tokens=6)
+    if SESSION_ENGINE["kind"] == "hf":
+        assert ok(after)["choices"][0]["token_ids"] == before
+        return
+    assert "broke off" in refused.text
+    assert after.status_code == 503 and "checkpoint reload broke off" in after.text, after.text
+    ok(rl.post("/update_weights", json={"weight_dir": str(base_dir), "weight_version": "default"}))
+    assert ok(generate(rl, [1, 2, 3], max_tokens=6))["choices"][0]["token_ids"] == before
+
+
 def test_a_checkpoint_rewritten_during_a_reload_is_a_400_not_a_crash(
     rl_server: Server, rl: httpx.Client, base_dir: Path, tmp_path: Path
 ) -> None:

@@ -236,8 +236,10 @@ class Engine(Protocol):
     def is_paused(self) -> bool: ...
 
     async def load_weights(self, weight_dir: Path, version: str) -> None:
-        """Swap in a checkpoint of the same architecture (``WeightsError`` if it does not fit);
-        tokens sampled afterwards carry ``version``."""
+        """Swap in a checkpoint of the same architecture (``WeightsError`` if it does not fit,
+        or a file of it cannot be read whole: the old weights stay; ``WeightTransferError``
+        when that happens after some layers loaded); tokens sampled afterwards carry
+        ``version``."""
         ...
 
     async def set_weight_version(self, version: str) -> None: ...

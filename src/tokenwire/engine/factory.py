@@ -35,8 +35,8 @@ def create_engine(
     ``prefix_cache_bytes`` budgets the hf engine's prefix cache (0: off);
     vLLM sizes its own (``--enable-prefix-caching`` and its KV cache flags).
     ``max_logprobs`` is ``--max-logprobs``, which vLLM's engine checks again itself (the hf
-    engine serves any count the pipeline admits). ``allow_nonfinite_weights`` lets the hf
-    engine load a checkpoint holding NaN or infinity (vLLM's loader reads its own).
+    engine serves any count the pipeline admits). ``allow_nonfinite_weights`` lets a
+    checkpoint reload hold NaN or infinity.
     ``max_loras`` > 0 serves LoRA adapters (vLLM's ``--max-loras``; 0: LoRA off).
     ``max_num_batched_tokens`` is ``--max-num-batched-tokens`` (None: the engine's default);
     ``engine_threads`` the hf engine's torch threads (None: ``default_engine_threads()``).
@@ -56,6 +56,7 @@ def create_engine(
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
             max_num_batched_tokens=max_num_batched_tokens,
+            allow_nonfinite_weights=allow_nonfinite_weights,
         )
     if extra_args:
         raise ValueError(f"engine arguments {list(extra_args)} need --engine vllm")

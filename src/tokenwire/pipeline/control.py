@@ -20,7 +20,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from tokenwire.engine.base import EngineError, PauseMode
+from tokenwire.engine.base import EngineError, PauseMode, WeightTransferError
 from tokenwire.pipeline.context import Pipeline
 from tokenwire.pipeline.errors import InvalidRequest, NotReady
 
@@ -244,6 +244,13 @@ async def load_weights(
         await engine.load_weights(path, version)
     except EngineError as exc:
         raise InvalidRequest(f"weights not loaded: {exc}", "weight_dir") from exc
+    except WeightTransferError as exc:  # part of the model holds the new weights
+        state.transfer.failed = f"a checkpoint reload broke off: {exc}"
+        raise InvalidRequest(
+            f"weights not loaded: {exc}; generation is refused until a checkpoint loads whole "
+            "(or a complete weight update)",
+            "weight_dir",
+        ) from exc
     state.reloads += 1
     await weights_whole(pipeline)
     return version

@@ -29,12 +29,12 @@ from tokenwire.engine.base import (
     WeightsError,
     WeightUpdate,
 )
+from tokenwire.engine.checkpoint import read_checkpoint
 from tokenwire.engine.defaults import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_PREFIX_CACHE_BYTES,
     default_engine_threads,
 )
-from tokenwire.engine.hf.checkpoint import read_checkpoint
 from tokenwire.engine.hf.handoff import (
     Abort,
     Add,

@@ -24,7 +24,7 @@ import torch
 from tokenwire import adapter_files
 from tokenwire.adapter_files import CONFIG_FILE, WEIGHTS_FILE
 from tokenwire.engine.base import AdapterTensors, WeightsError
-from tokenwire.engine.hf.checkpoint import all_finite, read_safetensors
+from tokenwire.engine.checkpoint import all_finite, read_safetensors
 from tokenwire.weight_transfer import TensorMeta
 
 # PEFT names a module's factors "<prefix><module path>.lora_A.weight" / ".lora_B.weight".

@@ -85,8 +85,10 @@ class VLLMEngine:
         max_loras: int = 0,
         max_lora_rank: int = 16,
         max_num_batched_tokens: int | None = None,
+        allow_nonfinite_weights: bool = False,
     ) -> None:
         self.model_dir = Path(model_dir)
+        self.allow_nonfinite_weights = allow_nonfinite_weights
         self.model_name = self.model_dir.name
         self.max_num_seqs = max_num_seqs
         self._options = {
@@ -164,8 +166,11 @@ class VLLMEngine:
         # would each need their own.
         parallel = self._llm.vllm_config.parallel_config
         one_worker = parallel.world_size == 1 and parallel.data_parallel_size == 1
-        if self._layout is not None and one_worker:
-            info = await self._rpc("tokenwire_weight_layers", names=list(self._layout))
+        if self._layout is None:
+            return
+        # Which layer each checkpoint tensor loads into: reloads and transfers load by layer.
+        info = await self._rpc("tokenwire_weight_layers", names=list(self._layout))
+        if one_worker:
             self._transfer_layout = dict(self._layout)
             twin = info["tied_head"]
             if twin is not None:
@@ -288,16 +293,24 @@ class VLLMEngine:
         self._paused = False
 
     async def load_weights(self, weight_dir: Path, version: str) -> None:
-        """Check the checkpoint's layout, reload it in place, and drop the prefix cache: KV
-        computed with the old weights must not serve new requests."""
+        """Check the checkpoint's layout, reload it in place file by file (worker.py), and drop
+        the prefix cache: KV computed with the old weights must not serve new requests."""
         self._require_running()
         weight_dir = Path(weight_dir)
         new = await asyncio.to_thread(checkpoint_layout, weight_dir)
         if self._layout is None:
             raise WeightsError("the served model was not loaded from safetensors")
         check_fits(self._layout, new)
-        await self._rpc("tokenwire_reload_weights", weights_path=str(weight_dir))
+        result = await self._rpc(
+            "tokenwire_reload_weights",
+            weights_path=str(weight_dir),
+            allow_nonfinite=self.allow_nonfinite_weights,
+        )
         self._waiting.clear()  # the workers dropped them: the checkpoint replaces them
+        if result["error"] is not None:
+            if result["partial"]:  # some layers hold the new weights, others the old
+                raise WeightTransferError(f"the checkpoint reload broke off: {result['error']}")
+            raise WeightsError(result["error"])
         await self.set_weight_version(version)
         if not await self._llm.reset_prefix_cache():
             logger.warning("prefix cache not reset after the reload: requests still hold blocks")

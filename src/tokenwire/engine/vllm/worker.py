@@ -31,12 +31,37 @@ class TokenwireWorkerExtension:
     _tokenwire_layer_of: dict[str, str] | None = None  # checkpoint name -> vLLM layer
     _tokenwire_staged: dict[str, Any] | None = None  # received, waiting for their layer
 
-    def tokenwire_reload_weights(self, weights_path: str) -> None:
-        """vLLM's in-place reload, then the tied output layer repacked (``_repack_tied_head``).
-        Tensors still waiting for their layer are dropped: the checkpoint replaces them."""
+    def tokenwire_reload_weights(self, weights_path: str, allow_nonfinite: bool) -> dict[str, Any]:
+        """A checkpoint directory, one file at a time: each read into memory the tensors own
+        (``engine.checkpoint``: a file a trainer rewrites under the reader is an error, where
+        vLLM's mapped read faulted and killed the engine), then loaded as received tensors
+        are (``_tokenwire_load``). Tensors still waiting for their layer are dropped: the
+        checkpoint replaces them. Returns ``error`` (None when every layer loaded) and
+        ``partial``: whether layers had loaded before the error."""
+        from pathlib import Path
+
+        from tokenwire.engine.base import WeightsError
+        from tokenwire.engine.checkpoint import checkpoint_files, read_checkpoint_file
+
         self._tokenwire_staged = {}
-        self.model_runner.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
-        self._repack_tied_head()
+        layers = self._tokenwire_layer_of or {}
+        loaded, waiting = 0, []
+        try:
+            for file in checkpoint_files(Path(weights_path)):
+                tensors = read_checkpoint_file(file, allow_nonfinite=allow_nonfinite)
+                unknown = sorted(set(tensors) - set(layers))
+                if unknown:  # rewritten since the engine checked its names
+                    raise WeightsError(f"{file.name} changed: {unknown[0]} is not the model's")
+                before = len(self._tokenwire_staged or {})
+                waiting = self._tokenwire_load(tensors.items())
+                loaded += before + len(tensors) - len(waiting)
+        except WeightsError as exc:
+            self._tokenwire_staged = {}
+            return {"error": str(exc), "partial": loaded > 0}
+        if waiting:  # the files' names changed since the engine checked them
+            self._tokenwire_staged = {}
+            return {"error": f"{len(waiting)} tensors came without their layer", "partial": True}
+        return {"error": None, "partial": False}
 
     def _repack_tied_head(self) -> None:
         """On CPU vLLM packs each linear weight for its GEMM kernels once, after loading. A tied

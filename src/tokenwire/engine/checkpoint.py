@@ -43,20 +43,32 @@ def read_checkpoint(weight_dir: Path, *, allow_nonfinite: bool = False) -> dict[
     """Every tensor of a HF checkpoint directory's ``*.safetensors`` files, on the CPU; NaN or
     infinity in a floating tensor is refused unless ``allow_nonfinite`` (every answer would
     be garbage)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files(weight_dir):
+        tensors.update(read_checkpoint_file(file, allow_nonfinite=allow_nonfinite))
+    return tensors
+
+
+def checkpoint_files(weight_dir: Path) -> list[Path]:
+    """A HF checkpoint directory's ``*.safetensors`` files, in order."""
     if not weight_dir.is_dir():
         raise WeightsError(f"{weight_dir} is not a directory")
     files = sorted(weight_dir.glob("*.safetensors"))
     if not files:
         raise WeightsError(f"{weight_dir} holds no *.safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        for name, tensor in read_safetensors(file).items():
-            if not allow_nonfinite and not all_finite(tensor):
-                raise WeightsError(
-                    f"{file.name}: {name} holds NaN or infinite values "
-                    "(--allow-nonfinite-weights loads such a checkpoint)"
-                )
-            tensors[name] = tensor
+    return files
+
+
+def read_checkpoint_file(file: Path, *, allow_nonfinite: bool = False) -> dict[str, torch.Tensor]:
+    """One file of a checkpoint (``read_safetensors``), its values checked as
+    ``read_checkpoint`` checks them."""
+    tensors = read_safetensors(file)
+    for name, tensor in tensors.items():
+        if not allow_nonfinite and not all_finite(tensor):
+            raise WeightsError(
+                f"{file.name}: {name} holds NaN or infinite values "
+                "(--allow-nonfinite-weights loads such a checkpoint)"
+            )
     return tensors
 
 
