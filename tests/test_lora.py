@@ -16,8 +16,9 @@ from safetensors.torch import save_file
 
 from tests.conftest import API_KEY, LORA_TARGETS, SESSION_ENGINE, Server, smollm2_float32
 from tokenwire import adapter_files
+from tokenwire.adapter_files import CONFIG_FILE, WEIGHTS_FILE
 from tokenwire.engine.base import WeightsError
-from tokenwire.engine.hf.lora import CONFIG_FILE, WEIGHTS_FILE, AdapterSlots
+from tokenwire.engine.hf.lora import AdapterSlots
 
 pytestmark = pytest.mark.model
 SMOLLM2 = Path.home() / ".cache/tokenwire/models/smollm2-135m-instruct"
@@ -441,7 +442,6 @@ def _b64_safetensors(tensors: dict[str, torch.Tensor]) -> str:
     return base64.b64encode(save(tensors)).decode()
 
 
-@pytest.mark.hf_only  # the vLLM engine takes no LoRA factors over the group (docs/api.md)
 def test_adapter_over_the_weight_transfer_group(lora_server: Server, tmp_path: Path) -> None:
     """A trainer's adapter over vLLM's four phases (``update_info.lora_name``), new and then in
     place, and over SGLang's ``/update_weights_from_distributed``: each version serves PEFT's

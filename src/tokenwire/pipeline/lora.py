@@ -100,9 +100,10 @@ def config_for(
     pipeline: Pipeline, name: str, config: dict[str, Any] | None, param: str
 ) -> dict[str, Any]:
     """The adapter config an update of ``name`` uses: the one sent, or the loaded adapter's."""
+    adapters = _adapters(pipeline)
     if config is not None:
         return config
-    loaded = pipeline.adapters.loaded.get(name)
+    loaded = adapters.loaded.get(name)
     if loaded is None:
         raise InvalidRequest(
             f"LoRA adapter '{name}' is not loaded: send its adapter_config.json's fields "

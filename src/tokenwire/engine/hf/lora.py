@@ -13,7 +13,6 @@ it.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,22 +21,11 @@ from typing import Any
 import torch
 
 from tokenwire import adapter_files
-from tokenwire.adapter_files import CONFIG_FILE, WEIGHTS_FILE
+from tokenwire.adapter_files import WEIGHTS_FILE
 from tokenwire.engine.base import AdapterTensors, WeightsError
 from tokenwire.engine.checkpoint import all_finite, read_safetensors
+from tokenwire.engine.lora_rules import check_config, check_factor, check_update
 from tokenwire.weight_transfer import TensorMeta
-
-# PEFT names a module's factors "<prefix><module path>.lora_A.weight" / ".lora_B.weight".
-_PEFT_PREFIX = "base_model.model."
-# adapter_config.json fields whose non-default values change the math served here.
-_UNSUPPORTED: dict[str, Any] = {
-    "use_dora": False,
-    "bias": "none",
-    "modules_to_save": None,
-    "rank_pattern": {},
-    "alpha_pattern": {},
-    "layers_to_transform": None,
-}
 
 
 @dataclass(frozen=True)
@@ -81,7 +69,7 @@ def read_adapter(path: Path) -> AdapterTensors:
 
 def check_adapter(
     adapter: AdapterTensors,
-    linears: dict[str, torch.nn.Linear],
+    linears: Mapping[str, tuple[int, int]],
     *,
     max_rank: int,
     dtype: torch.dtype,
@@ -108,57 +96,6 @@ def check_adapter(
     return AdapterWeights(rank=rank, factors=factors)
 
 
-def check_config(config: Mapping[str, Any], *, max_rank: int) -> tuple[int, float]:
-    """An adapter config's rank and scaling, if it is a LoRA this server serves."""
-    if config.get("peft_type", "LORA") != "LORA":
-        raise WeightsError(f"only LoRA adapters are served, not {config.get('peft_type')!r}")
-    for field, default in _UNSUPPORTED.items():
-        if config.get(field, default) not in (default, None, {}, False, "none"):
-            raise WeightsError(f"{CONFIG_FILE}: {field}={config[field]!r} is not supported")
-    rank = config.get("r")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise WeightsError(f"{CONFIG_FILE}: r must be a positive integer, got {rank!r}")
-    if rank > max_rank:
-        raise WeightsError(f"the adapter's rank {rank} is above --max-lora-rank {max_rank}")
-    alpha = config.get("lora_alpha", rank)
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
-        raise WeightsError(f"{CONFIG_FILE}: lora_alpha must be a number, got {alpha!r}")
-    return rank, alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-
-
-def check_factor(
-    key: str,
-    shape: tuple[int, ...],
-    config: Mapping[str, Any],
-    rank: int,
-    linears: dict[str, torch.nn.Linear],
-) -> tuple[str, str]:
-    """The (module, ``lora_A``/``lora_B``) a tensor named ``key`` of ``shape`` is, if it fits."""
-    module, factor = _split_key(key)
-    linear = linears.get(module)
-    if linear is None:
-        raise WeightsError(f"the adapter targets {module}, which is not a linear of the model")
-    expected = (rank, linear.in_features) if factor == "lora_A" else (linear.out_features, rank)
-    if config.get("fan_in_fan_out"):
-        expected = expected[::-1]
-    if shape != expected:
-        raise WeightsError(
-            f"{module}.{factor} has shape {shape}; with r={rank} the model needs {expected}"
-        )
-    return module, factor
-
-
-def _split_key(key: str) -> tuple[str, str]:
-    """``base_model.model.<module>.lora_A.weight`` -> (``<module>``, ``lora_A``)."""
-    name = key.removeprefix(_PEFT_PREFIX)
-    for factor in ("lora_A", "lora_B"):
-        # PEFT writes ".lora_A.weight" (and ".lora_A.<adapter name>.weight" in some versions).
-        head, sep, tail = name.partition(f".{factor}.")
-        if sep and tail.endswith("weight"):
-            return head, factor
-    raise WeightsError(f"{key!r} is not a LoRA factor (lora_A / lora_B)")
-
-
 class AdapterSlots:
     """Up to ``max_loras`` adapters stacked per target linear, and which slot each row of the
     next forward uses (``rows``; ``None`` while every row runs the base model)."""
@@ -167,6 +104,10 @@ class AdapterSlots:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.linears = target_linears(model)
+        # (in, out) features of each target: what lora_rules checks factors against.
+        self.features = {
+            name: (linear.in_features, linear.out_features) for name, linear in self.linears.items()
+        }
         self.rows: torch.Tensor | None = None
         param = next(model.parameters())
         self._device, self._dtype = param.device, param.dtype
@@ -176,20 +117,14 @@ class AdapterSlots:
         self._used: dict[int, AdapterWeights] = {}
 
     def check(self, adapter: AdapterTensors) -> AdapterWeights:
-        return check_adapter(adapter, self.linears, max_rank=self.max_rank, dtype=self._dtype)
+        return check_adapter(adapter, self.features, max_rank=self.max_rank, dtype=self._dtype)
 
     def read(self, path: Path) -> AdapterWeights:
         return self.check(read_adapter(path))
 
     def check_update(self, config: Mapping[str, Any], tensors: Sequence[TensorMeta]) -> None:
         """Each tensor a trainer announces is a factor of the model under ``config``."""
-        rank, _ = check_config(config, max_rank=self.max_rank)
-        for meta in tensors:
-            check_factor(meta.name, meta.shape, config, rank, self.linears)
-            if not meta.dtype.is_floating_point:
-                raise WeightsError(
-                    f"{meta.name}: LoRA factors are floating point, not {meta.dtype}"
-                )
+        check_update(config, tensors, self.features, max_rank=self.max_rank)
 
     def put(self, slot: int, adapter: AdapterWeights) -> None:
         """Write ``adapter`` into ``slot``, replacing what it held."""

@@ -35,16 +35,13 @@ from tokenwire.engine.base import (
     WeightTransferError,
     WeightUpdate,
 )
+from tokenwire.engine.lora_rules import check_update
 from tokenwire.engine.vllm.config import engine_args, sampling_params
 from tokenwire.engine.vllm.outputs import OutputState
 from tokenwire.engine.vllm.weights import check_fits, check_tensors, checkpoint_layout
 from tokenwire.weight_transfer import TensorMeta, dtype_name
 
 logger = logging.getLogger(__name__)
-_NO_ADAPTER_TRANSFER = (
-    "the vllm engine does not take LoRA factors over a weight-transfer group; send them with "
-    "SGLang's /load_lora_adapter_from_tensors or write the adapter to a directory"
-)
 
 
 def _safetensors(tensors: Mapping[str, Any]) -> bytes:
@@ -127,6 +124,7 @@ class VLLMEngine:
         self._transfer_layout: dict[str, tuple[int, ...]] = {}
         self._twins: dict[str, str] = {}
         self._waiting: set[str] = set()
+        self._adapter_targets: dict[str, tuple[int, int]] = {}
 
     def _has_safetensors(self) -> bool:
         return any(self.model_dir.glob("*.safetensors"))
@@ -172,6 +170,13 @@ class VLLMEngine:
         info = await self._rpc("tokenwire_weight_layers", names=list(self._layout))
         if one_worker:
             self._transfer_layout = dict(self._layout)
+            # The linears an adapter may target: 2-D weights of the decoder layers, as
+            # (in, out) features (vLLM's LoRA also takes the embeddings and head; not here).
+            self._adapter_targets = {
+                name.removesuffix(".weight"): (shape[1], shape[0])
+                for name, shape in self._layout.items()
+                if name.endswith(".weight") and len(shape) == 2 and ".layers." in name
+            }
             twin = info["tied_head"]
             if twin is not None:
                 self._transfer_layout["lm_head.weight"] = self._layout[twin]
@@ -449,10 +454,30 @@ class VLLMEngine:
     def check_adapter_update(
         self, config: Mapping[str, Any], tensors: Sequence[TensorMeta]
     ) -> None:
-        raise WeightsError(_NO_ADAPTER_TRANSFER)
+        """The hf engine's rules (``lora_rules``) against the checkpoint's linear weights."""
+        if not self._backends:
+            raise WeightsError("this server takes no weight-transfer group (see /server_info)")
+        check_update(
+            config, tensors, self._adapter_targets, max_rank=self._options["max_lora_rank"]
+        )
 
     async def receive_tensors(self, update: WeightUpdate) -> dict[str, Any]:
-        raise EngineError(_NO_ADAPTER_TRANSFER)
+        """The worker receives the factors (it holds the group) and hands them back as one
+        safetensors file (vLLM's RPCs turn tensors into lists): an adapter is small."""
+        from safetensors.torch import load
+
+        self._require_running()
+        tensors = [(t.name, dtype_name(t.dtype), list(t.shape)) for t in update.tensors]
+        try:
+            data = await self._rpc(
+                "tokenwire_receive_tensors",
+                tensors=tensors,
+                packed=update.packed,
+                buffer_size_bytes=update.buffer_size_bytes,
+            )
+        except Exception as exc:  # the worker left the group
+            raise WeightTransferError(str(exc)) from exc
+        return load(data)
 
     def _require_running(self) -> None:
         if not self.is_ready():

@@ -138,6 +138,22 @@ class TokenwireWorkerExtension:
     ) -> list[str]:
         """Receive one update (names checked by the engine), then load every layer whose
         tensors all came; return the names still waiting for the rest of their layer."""
+        received = self._tokenwire_receive(tensors, packed, buffer_size_bytes)
+        return self._tokenwire_load(received.items())
+
+    def tokenwire_receive_tensors(
+        self, tensors: Sequence[tuple[str, str, list[int]]], packed: bool, buffer_size_bytes: int
+    ) -> bytes:
+        """Receive one update that is not the model's (a LoRA adapter's factors: the engine
+        loads them as an adapter) and hand it back as one safetensors file."""
+        from safetensors.torch import save
+
+        received = self._tokenwire_receive(tensors, packed, buffer_size_bytes)
+        return save({name: tensor.cpu().contiguous() for name, tensor in received.items()})
+
+    def _tokenwire_receive(
+        self, tensors: Sequence[tuple[str, str, list[int]]], packed: bool, buffer_size_bytes: int
+    ) -> dict[str, Any]:
         from tokenwire.weight_transfer import TensorMeta, dtype_named, receive
 
         group = self._tokenwire_group
@@ -157,7 +173,7 @@ class TokenwireWorkerExtension:
         except Exception as exc:  # the trainer died or stalled past the group's timeout
             self.tokenwire_leave_group()
             raise RuntimeError(f"the weight broadcast broke off: {exc}") from exc
-        return self._tokenwire_load(received.items())
+        return received
 
     def tokenwire_copy_weights(self, data: bytes) -> list[str]:
         """Tensors from the server process (checked there; one safetensors file), loaded as
