@@ -418,19 +418,27 @@ class VLLMEngine:
 
     async def receive_weights(self, update: WeightUpdate) -> None:
         """The workers receive every tensor, then load each layer whose tensors all came."""
+        try:
+            waiting = await self._worker_receive("tokenwire_receive_weights", update)
+        except WeightTransferError:  # the workers dropped what was waiting
+            self._waiting.clear()
+            raise
+        self._waiting = set(waiting)
+
+    async def _worker_receive(self, method: str, update: WeightUpdate) -> Any:
+        """``method`` of the worker that holds the group, receiving ``update`` there;
+        ``WeightTransferError`` when the broadcast breaks off (the worker left the group)."""
         self._require_running()
         tensors = [(t.name, dtype_name(t.dtype), list(t.shape)) for t in update.tensors]
         try:
-            waiting = await self._rpc(
-                "tokenwire_receive_weights",
+            return await self._rpc(
+                method,
                 tensors=tensors,
                 packed=update.packed,
                 buffer_size_bytes=update.buffer_size_bytes,
             )
-        except Exception as exc:  # the workers left the group and dropped what was waiting
-            self._waiting.clear()
+        except Exception as exc:
             raise WeightTransferError(str(exc)) from exc
-        self._waiting = set(waiting)
 
     def missing_weights(self, given: Collection[str]) -> list[str]:
         """Weights not given (a tied one counts with its twin), or given but still waiting in
@@ -466,18 +474,7 @@ class VLLMEngine:
         safetensors file (vLLM's RPCs turn tensors into lists): an adapter is small."""
         from safetensors.torch import load
 
-        self._require_running()
-        tensors = [(t.name, dtype_name(t.dtype), list(t.shape)) for t in update.tensors]
-        try:
-            data = await self._rpc(
-                "tokenwire_receive_tensors",
-                tensors=tensors,
-                packed=update.packed,
-                buffer_size_bytes=update.buffer_size_bytes,
-            )
-        except Exception as exc:  # the worker left the group
-            raise WeightTransferError(str(exc)) from exc
-        return load(data)
+        return load(await self._worker_receive("tokenwire_receive_tensors", update))
 
     def _require_running(self) -> None:
         if not self.is_ready():
