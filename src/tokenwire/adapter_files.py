@@ -38,8 +38,8 @@ def read_config(path: Path) -> dict[str, Any]:
 
 def write(path: Path, config: Mapping[str, Any], tensors: Mapping[str, Any]) -> None:
     """An adapter held in memory as PEFT's directory at ``path`` (made if missing)."""
-    from safetensors.torch import save_file
+    from tokenwire.weight_transfer import safetensors_bytes
 
     path.mkdir(parents=True, exist_ok=True)
     (path / CONFIG_FILE).write_text(json.dumps(dict(config)))
-    save_file({name: t.contiguous() for name, t in tensors.items()}, str(path / WEIGHTS_FILE))
+    (path / WEIGHTS_FILE).write_bytes(safetensors_bytes(tensors))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -118,6 +118,14 @@ def unpack(buffer: torch.Tensor, chunk: Sequence[TensorMeta]) -> list[tuple[str,
         (meta.name, part.view(meta.dtype).view(meta.shape))
         for meta, part in zip(chunk, parts, strict=True)
     ]
+
+
+def safetensors_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """Tensors as one safetensors file in memory: how they cross a process boundary that is
+    not the group (vLLM's RPCs turn tensors into lists) or land in a file."""
+    from safetensors.torch import save
+
+    return save({name: tensor.cpu().contiguous() for name, tensor in tensors.items()})
 
 
 def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

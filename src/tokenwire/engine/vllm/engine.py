@@ -39,15 +39,9 @@ from tokenwire.engine.lora_rules import check_update
 from tokenwire.engine.vllm.config import engine_args, sampling_params
 from tokenwire.engine.vllm.outputs import OutputState
 from tokenwire.engine.vllm.weights import check_fits, check_tensors, checkpoint_layout
-from tokenwire.weight_transfer import TensorMeta, dtype_name
+from tokenwire.weight_transfer import TensorMeta, dtype_name, safetensors_bytes
 
 logger = logging.getLogger(__name__)
-
-
-def _safetensors(tensors: Mapping[str, Any]) -> bytes:
-    from safetensors.torch import save
-
-    return save({name: tensor.contiguous() for name, tensor in tensors.items()})
 
 
 @dataclass(slots=True, eq=False)
@@ -456,7 +450,7 @@ class VLLMEngine:
             [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
         )
         # vLLM's RPCs turn tensors into nested lists: they travel as one safetensors file.
-        data = await asyncio.to_thread(_safetensors, tensors)
+        data = await asyncio.to_thread(safetensors_bytes, tensors)
         self._waiting = set(await self._rpc("tokenwire_copy_weights", data=data))
 
     def check_adapter_update(

@@ -146,10 +146,9 @@ class TokenwireWorkerExtension:
     ) -> bytes:
         """Receive one update that is not the model's (a LoRA adapter's factors: the engine
         loads them as an adapter) and hand it back as one safetensors file."""
-        from safetensors.torch import save
+        from tokenwire.weight_transfer import safetensors_bytes
 
-        received = self._tokenwire_receive(tensors, packed, buffer_size_bytes)
-        return save({name: tensor.cpu().contiguous() for name, tensor in received.items()})
+        return safetensors_bytes(self._tokenwire_receive(tensors, packed, buffer_size_bytes))
 
     def _tokenwire_receive(
         self, tensors: Sequence[tuple[str, str, list[int]]], packed: bool, buffer_size_bytes: int
