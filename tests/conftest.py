@@ -332,6 +332,19 @@ def fast_qwen3_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastApp
     yield from serve_fast(tmp_path_factory, QWEN3_SERVER_ARGS, API_KEY)
 
 
+# The control plane's app: LoRA on with two slots, and an open weight update abandoned after
+# one second without a call of it.
+FAST_CONTROL_ARGS = [
+    *("--enable-rl-control", "--enable-lora", "--max-loras", "2"),
+    *("--weight-transfer-config", '{"backend": "gloo", "timeout_s": 1}'),
+]
+
+
+@pytest.fixture(scope="session")
+def fast_control_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastApp]:
+    yield from serve_fast(tmp_path_factory, FAST_CONTROL_ARGS, API_KEY)
+
+
 # The same apps for a test that drives the fake engine: put back as they started afterwards.
 @pytest.fixture
 def fast_smollm2(fast_smollm2_app: FastApp) -> Iterator[FastApp]:
@@ -343,6 +356,12 @@ def fast_smollm2(fast_smollm2_app: FastApp) -> Iterator[FastApp]:
 def fast_rl(fast_rl_app: FastApp) -> Iterator[FastApp]:
     yield fast_rl_app
     fast_rl_app.settle()
+
+
+@pytest.fixture
+def fast_control(fast_control_app: FastApp) -> Iterator[FastApp]:
+    yield fast_control_app
+    fast_control_app.settle()
 
 
 @pytest.fixture

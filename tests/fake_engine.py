@@ -36,10 +36,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from tokenwire.engine.base import (
     DEFAULT_WEIGHT_VERSION,
     AdapterTensors,
+    AdapterVersion,
     EngineError,
     EngineFeature,
     EngineOutput,
@@ -52,9 +54,11 @@ from tokenwire.engine.base import (
     TokenLogprob,
     WeightGroup,
     WeightsError,
+    WeightTransferError,
     WeightUpdate,
 )
 from tokenwire.engine.stopping import check_stop
+from tokenwire.engine.vllm.weights import check_tensors
 from tokenwire.weight_transfer import TensorMeta
 
 # How often a held request looks again at its gate, the pause and its abort flag. Polling keeps
@@ -66,6 +70,11 @@ _MAX_MODEL_LEN_CAP = 8192
 ALL_FEATURES: frozenset[EngineFeature] = frozenset(
     {"prompt_token_id_logprobs", "logprob_token_ids", "sampling_mask"}
 )
+# The weights a trainer may send the fake engine: every update is checked against these.
+FAKE_LAYOUT: dict[str, tuple[int, ...]] = {
+    "model.embed_tokens.weight": (8, 4),
+    "model.layers.0.mlp.down_proj.weight": (4, 4),
+}
 # Ids of the made-up alternatives around a scripted token (see ``Step.top``).
 _FILLER_IDS = range(1000, 1100)
 _MADE_UP_TOP = 20
@@ -158,6 +167,7 @@ class EngineCall:
     sampling: SamplingParams
     media: MultiModalInput | None
     cache_salt: str | None = None
+    adapter: AdapterVersion | None = None
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     aborted: bool = False
@@ -193,6 +203,11 @@ class FakeEngine:
         self.live: dict[str, EngineCall] = {}
         self.loaded_weights: list[tuple[Path, str]] = []
         self.cache_resets = 0
+        self.group: WeightGroup | None = None  # the trainer's group, once joined
+        self.received: list[str] = []  # weight names received or copied, in order
+        self.receive_gate: Gate | None = None  # holds the next receive until opened
+        self.break_receive = False  # the next receive breaks off
+        self.adapters: dict[int, AdapterVersion] = {}  # held adapter versions by id
         self._started = False
         self._paused = False
         self._draining = False  # a "wait" pause waiting for the requests in flight
@@ -239,7 +254,7 @@ class FakeEngine:
         media: MultiModalInput | None = None,
         cache_salt: str | None = None,
         *,
-        adapter: str | None = None,  # never set: the fake engine serves no LoRA
+        adapter: AdapterVersion | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Yield the script's outputs until the stop rule ends it; closing early aborts."""
         prompt = list(prompt_token_ids)
@@ -249,10 +264,12 @@ class FakeEngine:
         # bad-input tests see that the engine never got it (``calls``).
         if request_id in self.live:
             raise EngineError(f"request id {request_id!r} is already running")
+        if adapter is not None and adapter.id not in self.adapters:
+            raise RuntimeError(f"fake engine: {adapter} is not held")  # a registry bug
         reply = self.script(request_id, prompt, sampling)
         if not isinstance(reply, Reply):
             reply = Reply(reply)
-        call = EngineCall(request_id, prompt, sampling, media, cache_salt)
+        call = EngineCall(request_id, prompt, sampling, media, cache_salt, adapter)
         self.calls.append(call)
         self.live[request_id] = call
         try:
@@ -265,6 +282,8 @@ class FakeEngine:
                 if call.aborted:
                     break
                 output = self._output(call, steps)
+                if adapter is not None:
+                    output.weight_version = adapter.version
                 if first:
                     first = False
                     output.num_prompt_tokens = len(prompt)
@@ -300,9 +319,6 @@ class FakeEngine:
 
     # -- RL control ---------------------------------------------------------------------------
 
-    def is_paused(self) -> bool:
-        return self._paused
-
     async def pause(self, mode: PauseMode, *, clear_cache: bool = False) -> int:
         in_flight = len(self.live)
         if mode == "abort":
@@ -337,47 +353,74 @@ class FakeEngine:
         self.cache_resets += 1
         return True
 
-    # Weight transfer: no backend (its rules above the engine are what the fast tests check;
-    # the hf engine receives for real in test_weight_transfer).
+    # Weights: a made-up layout (``FAKE_LAYOUT``) a trainer's updates are checked against,
+    # received over a pretend group: nothing moves, but every call is recorded, and a test can
+    # hold a receive at a gate or make it break off as a dead trainer's broadcast would.
 
     def weight_transfer_backends(self) -> tuple[str, ...]:
-        return ()
+        return ("gloo",)
 
     async def join_weight_group(self, group: WeightGroup) -> None:
-        raise EngineError("the fake engine joins no group")
+        if self.group is not None:
+            raise EngineError("a weight-transfer group is already open")
+        self.group = group
 
     async def leave_weight_group(self) -> None:
-        return None
+        self.group = None
 
     def check_weight_update(self, tensors: Sequence[TensorMeta]) -> None:
-        raise WeightsError("the fake engine has no weights")
+        check_tensors(FAKE_LAYOUT, ((t.name, t.dtype, t.shape) for t in tensors))
 
     async def receive_weights(self, update: WeightUpdate) -> None:
-        raise EngineError("the fake engine joins no group")
+        await self._receive(update)
+        self.received.extend(meta.name for meta in update.tensors)
 
     def missing_weights(self, given: Collection[str]) -> list[str]:
-        return []
+        return [name for name in FAKE_LAYOUT if name not in given]
 
     async def copy_weights(self, tensors: dict[str, Any]) -> None:
-        raise WeightsError("the fake engine has no weights")
+        check_tensors(FAKE_LAYOUT, ((n, t.dtype, tuple(t.shape)) for n, t in tensors.items()))
+        self.received.extend(tensors)
 
-    # LoRA: the fake engine serves none (the hf engine does, in test_lora).
+    # LoRA: adapter versions are only recorded (the hf engine serves them, in test_lora).
 
-    async def load_adapter(self, name: str, source: Path | AdapterTensors, version: str) -> None:
-        raise WeightsError("the fake engine has no weights")
+    async def load_adapter(self, adapter: AdapterVersion, source: Path | AdapterTensors) -> None:
+        if isinstance(source, Path) and not (source / "adapter_config.json").is_file():
+            raise WeightsError(f"{source} holds no adapter_config.json")
+        self.adapters[adapter.id] = adapter
 
-    async def unload_adapter(self, name: str) -> None:
-        return None
+    async def unload_adapter(self, adapter: AdapterVersion) -> None:
+        del self.adapters[adapter.id]
 
     def check_adapter_update(
         self, config: Mapping[str, Any], tensors: Sequence[TensorMeta]
     ) -> None:
-        raise WeightsError("the fake engine has no weights")
+        for meta in tensors:
+            if not meta.name.endswith((".lora_A.weight", ".lora_B.weight")):
+                raise WeightsError(f"{meta.name} is not a LoRA factor")
 
     async def receive_tensors(self, update: WeightUpdate) -> dict[str, Any]:
-        raise EngineError("the fake engine joins no group")
+        await self._receive(update)
+        return {m.name: torch.zeros(m.shape, dtype=m.dtype) for m in update.tensors}
+
+    async def _receive(self, update: WeightUpdate) -> None:
+        """Wait at ``receive_gate`` (if set), then break off if ``break_receive`` says so."""
+        if self.group is None:
+            raise WeightTransferError("no weight-transfer group is open")
+        gate = self.receive_gate
+        if gate is not None:
+            gate.arrive()
+            while not gate.is_open:
+                await asyncio.sleep(_POLL_S)
+        if self.break_receive:
+            self.group = None
+            raise WeightTransferError("the trainer went away mid-broadcast")
 
     # -- for tests ----------------------------------------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
 
     def reset(self) -> None:
         """Back to a fresh engine's state (the previous test's requests have ended)."""
@@ -387,6 +430,9 @@ class FakeEngine:
         self.calls.clear()
         self.loaded_weights.clear()
         self.cache_resets = 0
+        self.received.clear()
+        self.receive_gate = None
+        self.break_receive = False
         self._paused = False
         self._draining = False
 

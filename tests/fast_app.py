@@ -42,6 +42,7 @@ class FastApp:
     client: TestClient
     engine: FakeEngine
     rl_control: bool
+    model_dir: Path  # what a checkpoint reload may name (the fake loads nothing from it)
 
     def tokenize(self, text: str) -> list[int]:
         """``text`` as the model's tokenizer encodes it (no special tokens added)."""
@@ -109,8 +110,25 @@ class FastApp:
             call.aborted = True
         self.wait_until(lambda: not self.engine.live)
         if self.rl_control:
-            assert self.client.post("/resume").status_code == 200
+            self._settle_control()
         self.engine.reset()
+
+    def _settle_control(self) -> None:
+        """No update open, weights whole, no group, no adapter, not paused."""
+        self.engine.receive_gate = None
+        # An update with tensors in ends at its deadline (resume does not end it).
+        self.wait_until(lambda: self.client.get("/weight_info").json()["state"] != "updating")
+        resumed = self.client.post("/resume")
+        if resumed.status_code != 200:  # broken weights: a checkpoint reload mends them
+            reload = {"weight_dir": str(self.model_dir)}
+            assert self.client.post("/update_weights", json=reload).status_code == 200
+            resumed = self.client.post("/resume")
+        assert resumed.status_code == 200, resumed.text
+        assert self.client.post("/shutdown_weight_transfer_engine").status_code == 200
+        models = self.client.get("/v1/models").json()["data"]
+        for adapter in (m["id"] for m in models if m["parent"] is not None):
+            body = {"lora_name": adapter}
+            assert self.client.post("/v1/unload_lora_adapter", json=body).status_code == 200
 
     def _auth_header(self) -> list[tuple[bytes, bytes]]:
         auth = self.client.headers.get("authorization")
@@ -145,7 +163,7 @@ def serve_fast(
     engine = FakeEngine.for_model(view, max_model_len=settings.max_model_len)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with TestClient(create_app(settings, engine), headers=headers) as client:
-        app = FastApp(client, engine, rl_control=settings.enable_rl_control)
+        app = FastApp(client, engine, rl_control=settings.enable_rl_control, model_dir=view)
         app.wait_until(lambda: client.get("/health").status_code == 200, _READY_TIMEOUT_S)
         yield app
 

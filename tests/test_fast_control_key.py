@@ -76,7 +76,7 @@ def test_control_routes_refuse_the_inference_key(keyed: FastApp) -> None:
             assert response.status_code == 401, (method, path, headers, response.text)
             assert "control key" in response.json()["error"]["message"]
     assert keyed.engine.weight_version == "default"
-    assert not keyed.engine.is_paused()
+    assert not keyed.engine.paused
 
 
 def test_the_control_key_opens_them_and_inference_too(keyed: FastApp) -> None:

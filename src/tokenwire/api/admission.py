@@ -10,11 +10,11 @@ from __future__ import annotations
 from starlette.requests import Request
 
 from tokenwire.api.disconnect import unless_disconnected
-from tokenwire.pipeline import control
 from tokenwire.pipeline.context import Pipeline
 
 
 async def admitted(request: Request, pipeline: Pipeline) -> None:
-    """Return once the request may start (``control.admit`` still refuses it after that)."""
-    if control.is_holding(pipeline):
-        await unless_disconnected(request, control.wait_admitted(pipeline))
+    """Return once the request may start (``ControlPlane.admit`` still refuses it after that)."""
+    gate = pipeline.control.gate
+    if gate.holding:
+        await unless_disconnected(request, gate.wait_while_held())

@@ -42,8 +42,7 @@ from tokenwire.engine.factory import create_engine
 from tokenwire.media.prompt import IMAGE_PAD
 from tokenwire.media.service import MediaService
 from tokenwire.model_source import resolve_model_dir
-from tokenwire.pipeline.context import Adapters, ModelRuntime, Pipeline, ServingConfig
-from tokenwire.pipeline.lora import load_adapter
+from tokenwire.pipeline.context import ModelRuntime, Pipeline, ServingConfig
 from tokenwire.pipeline.session_store import SessionStore
 from tokenwire.settings import Settings
 from tokenwire.text.chat_template import (
@@ -64,14 +63,15 @@ GC_THRESHOLDS = (500_000, 20, 20)
 def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     """The app for ``settings``; ``engine`` (unstarted) replaces the one ``--engine`` names, so
     tests can run everything above the engine on a scripted one."""
-    adapters = Adapters(tuple(Path(os.path.realpath(p)) for p in settings.allowed_lora_paths))
     session_store = SessionStore(
         settings.session_store_path,
         max_bytes=settings.session_store_bytes,
         ttl_s=settings.session_ttl_s,
     )
     pipeline = Pipeline(
-        config=ServingConfig.from_settings(settings), adapters=adapters, sessions=session_store
+        config=ServingConfig.from_settings(settings),
+        sessions=session_store,
+        allowed_lora_roots=tuple(Path(os.path.realpath(p)) for p in settings.allowed_lora_paths),
     )
     metrics = Metrics()
 
@@ -204,7 +204,7 @@ async def _load_runtime(
     try:
         for module in settings.lora_modules:  # as vLLM: a static adapter that fails stops it
             name, _, path = module.partition("=")
-            await load_adapter(pipeline, name, path)
+            await pipeline.control.adapters.load_path(name, path)
     except Exception as exc:
         pipeline.runtime = None
         pipeline.load_error = f"--lora-modules: {getattr(exc, 'message', exc)}"

@@ -1,9 +1,12 @@
-"""The contract between the api layer and any engine (hf on CPU/CUDA, remote, vllm).
+"""The contract between the pipeline and any engine (hf on CPU/CUDA, vLLM's on GPUs or CPU).
 
 The pipeline only ever sees these types. One engine request is one sequence: the pipeline's
 generation job makes one per choice. Requests arrive checked (``pipeline.validation``: prompt ids
-in the vocabulary, prompt + ``max_tokens`` within the context), so engines do not check them
-again; they check only what is theirs (media tensors, duplicate ids, being up).
+in the vocabulary, prompt + ``max_tokens`` within the context) and admitted (the control plane's
+gate and weights allow them; a LoRA adapter is resolved to the version the request holds), so
+engines do not check them again; they check only what is theirs (media tensors, duplicate ids,
+being up). The contract has three parts, each a protocol that tests hold every engine to:
+``GenerationEngine``, ``WeightEngine`` and ``AdapterEngine``; ``Engine`` is all three.
 """
 
 from __future__ import annotations
@@ -180,8 +183,19 @@ class AdapterTensors:
     tensors: Mapping[str, Any]
 
 
-class Engine(Protocol):
-    """What every engine provides."""
+@dataclass(frozen=True, slots=True)
+class AdapterVersion:
+    """One load of a LoRA adapter, as the pipeline's adapter registry made it: an engine holds
+    it under ``id`` (unique per load) from ``load_adapter`` to ``unload_adapter``, and the
+    tokens a request under it samples carry ``version``."""
+
+    name: str
+    version: str
+    id: int
+
+
+class GenerationEngine(Protocol):
+    """Requests in, outputs out; pause and resume between steps."""
 
     model_name: str
     max_model_len: int
@@ -192,6 +206,7 @@ class Engine(Protocol):
     dtype: str
     logprobs_mode: str
     features: frozenset[EngineFeature]
+    weight_version: str  # what tokens sampled now carry (an adapter's requests: its version)
 
     async def start(self) -> None: ...
 
@@ -203,13 +218,12 @@ class Engine(Protocol):
         media: MultiModalInput | None = None,
         cache_salt: str | None = None,
         *,
-        adapter: str | None = None,
+        adapter: AdapterVersion | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Yield outputs until one carries a finish_reason. Closing the iterator aborts.
 
         Requests with different ``cache_salt`` never share prefix-cache blocks (vLLM's).
-        ``adapter`` names a loaded LoRA adapter (None: the base model); the request runs under
-        the version of it loaded when the request arrived, to its end."""
+        ``adapter``: a LoRA adapter version the engine holds (None: the base model)."""
         ...
 
     async def abort(self, request_id: str) -> bool:
@@ -222,10 +236,6 @@ class Engine(Protocol):
 
     async def shutdown(self) -> None: ...
 
-    # -- RL control: between steps, in the order the calls were made ------------------------
-
-    weight_version: str
-
     async def pause(self, mode: PauseMode, *, clear_cache: bool = False) -> int:
         """Stop stepping; return how many requests were in flight. ``"wait"`` returns once they
         finished; ``clear_cache`` drops kept requests' KV so they recompute on resume."""
@@ -233,7 +243,12 @@ class Engine(Protocol):
 
     async def resume(self) -> None: ...
 
-    def is_paused(self) -> bool: ...
+    async def reset_prefix_cache(self) -> bool: ...
+
+
+class WeightEngine(Protocol):
+    """The base model's weights: from a checkpoint, or from the trainer's process group. The
+    control plane's weight lifecycle calls these one at a time, between engine steps."""
 
     async def load_weights(self, weight_dir: Path, version: str) -> None:
         """Swap in a checkpoint of the same architecture (``WeightsError`` if it does not fit,
@@ -244,10 +259,6 @@ class Engine(Protocol):
 
     async def set_weight_version(self, version: str) -> None: ...
 
-    async def reset_prefix_cache(self) -> bool: ...
-
-    # -- weight transfer: tensors from the trainer's process group, no checkpoint on disk -----
-
     def weight_transfer_backends(self) -> tuple[str, ...]:
         """The ``torch.distributed`` backends this engine can receive weights over (none: it
         cannot)."""
@@ -257,7 +268,9 @@ class Engine(Protocol):
         """Join the trainer's group (blocks until every rank joined; off the event loop)."""
         ...
 
-    async def leave_weight_group(self) -> None: ...
+    async def leave_weight_group(self) -> None:
+        """Leave the group, if joined (else nothing)."""
+        ...
 
     def check_weight_update(self, tensors: Sequence[TensorMeta]) -> None:
         """``WeightsError`` unless every tensor names a weight of that shape, in a dtype it can
@@ -266,7 +279,7 @@ class Engine(Protocol):
 
     async def receive_weights(self, update: WeightUpdate) -> None:
         """Receive ``update`` (checked) into the model between steps; ``WeightTransferError``
-        when the broadcast breaks off."""
+        when the broadcast breaks off (the engine has left the group then)."""
         ...
 
     def missing_weights(self, given: Collection[str]) -> list[str]:
@@ -275,16 +288,22 @@ class Engine(Protocol):
         ...
 
     async def copy_weights(self, tensors: dict[str, Any]) -> None:
-        """Copy some of the model's weights (checked first) in between steps."""
+        """Copy some of the model's weights (checked first: ``WeightsError``) between steps."""
         ...
 
-    # -- LoRA adapters (engines whose ``features`` hold "lora") -------------------------------
 
-    async def load_adapter(self, name: str, source: Path | AdapterTensors, version: str) -> None:
-        """Load (or, when ``name`` is loaded, replace) a PEFT adapter from its directory or from
-        memory; ``WeightsError`` if it does not fit and nothing changes. Running requests of a
-        replaced version finish under it; tokens of requests that arrive afterwards carry
-        ``version``."""
+class AdapterEngine(Protocol):
+    """LoRA adapter versions (engines whose ``features`` hold "lora"). The registry decides
+    which versions live and counts them against ``--max-loras``; an engine keeps one spare slot
+    beyond that for the version a load replaces, which leaves right after."""
+
+    async def load_adapter(self, adapter: AdapterVersion, source: Path | AdapterTensors) -> None:
+        """Load a PEFT adapter from its directory or from memory under ``adapter``;
+        ``WeightsError`` if it does not fit, and nothing changes."""
+        ...
+
+    async def unload_adapter(self, adapter: AdapterVersion) -> None:
+        """Forget ``adapter`` (no request holds it any more)."""
         ...
 
     def check_adapter_update(
@@ -300,6 +319,6 @@ class Engine(Protocol):
         engine thread; ``WeightTransferError`` when the broadcast breaks off."""
         ...
 
-    async def unload_adapter(self, name: str) -> None:
-        """Forget ``name`` (its running requests finish under it)."""
-        ...
+
+class Engine(GenerationEngine, WeightEngine, AdapterEngine, Protocol):
+    """What every engine provides."""

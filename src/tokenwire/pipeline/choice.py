@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from tokenwire.engine.base import (
+    AdapterVersion,
     EngineOutput,
     FinishReason,
     MultiModalInput,
@@ -47,7 +48,7 @@ class ChoiceRequest:
     media: MultiModalInput | None = None
     prompt_only: bool = False  # the output is dropped: the prompt's logprobs are the answer
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
-    adapter: str | None = None  # the LoRA adapter it runs under (None: the base model)
+    adapter: AdapterVersion | None = None  # the LoRA adapter version it runs under
 
 
 @dataclass(slots=True)

@@ -10,7 +10,6 @@ from typing import Any
 from tokenwire.engine.base import SamplingParams, SamplingSupport
 from tokenwire.pipeline.choice import Choice, ChoiceDelta, ChoiceRequest, engine_request_id
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
-from tokenwire.pipeline.control import admit
 from tokenwire.pipeline.decoder import PLAIN, ChoiceDecoder, ChoiceStep, DecodeOptions, Parsing
 from tokenwire.pipeline.derender import message_json
 from tokenwire.pipeline.errors import InvalidRequest
@@ -34,14 +33,19 @@ def start_job(
     *,
     parsing: Parsing | None = None,
     adapter: str | None = None,
+    adapter_param: str = "model",
 ) -> GenerationJob:
-    """Start the choices of checked prompts, registered so they can be aborted by id.
+    """Admit a request of checked prompts and start its choices, registered so they can be
+    aborted by id until the job ends.
 
     ``parsing``: how the route reads the choices' text (None: it reads none; stop strings are
-    still found, by a decoder made for them alone). ``adapter``: the LoRA adapter the request's
-    ``model`` names (``Pipeline.adapter_of``), None for the base model.
+    still found, by a decoder made for them alone). ``adapter``: the LoRA adapter the request
+    names (``adapter_param`` names the field), None for the base model; the job holds its
+    current version until it ends.
     """
-    admit(pipeline)
+    control = pipeline.control
+    control.admit()
+    version = None if adapter is None else control.adapters.acquire(adapter, adapter_param)
     choices: list[Choice] = []
     for prompt_index, prompt in enumerate(prompts):
         params = prompt.sampling
@@ -54,7 +58,7 @@ def start_job(
                 prompt.media,
                 prompt.prompt_only,
                 prompt.cache_salt,
-                adapter,
+                version,
             )
             decoder = None
             if parsing is not None or options.stop_strings:
@@ -66,8 +70,19 @@ def start_job(
                     prompt.token_ids,
                 )
             choices.append(Choice(len(choices), prompt_index, sample, request, decoder))
-    job = GenerationJob(runtime.engine, request_id, choices)
-    pipeline.jobs.add(job)
+
+    def ended() -> None:
+        pipeline.jobs.remove(job)
+        if version is not None:
+            control.adapters.release(version)
+
+    job = GenerationJob(runtime.engine, request_id, choices, on_end=ended)
+    try:
+        pipeline.jobs.add(job)
+    except BaseException:
+        if version is not None:
+            control.adapters.release(version)
+        raise
     return job
 
 
@@ -127,10 +142,7 @@ class Generation:
 
     async def response(self) -> dict[str, Any]:
         job = self.job
-        try:
-            choices = await job.run()
-        finally:
-            self.pipeline.jobs.remove(job)
+        choices = await job.run()
         result = {
             "request_id": job.request_id,
             "model": self.pipeline.config.served_name,
@@ -151,21 +163,18 @@ class Generation:
         include_usage = options is not None and options.include_usage
         continuous = options is not None and options.continuous_usage_stats
         sent_prompt_logprobs = False
-        try:
-            async with contextlib.aclosing(job.deltas()) as deltas:
-                async for delta in deltas:
-                    chunk: dict[str, Any] = {
-                        "request_id": job.request_id,
-                        "choices": [self._delta_json(delta)],
-                    }
-                    if not sent_prompt_logprobs and delta.choice.prompt_logprobs is not None:
-                        sent_prompt_logprobs = True
-                        chunk["prompt_logprobs"] = self._prompt_logprobs_json()
-                    if continuous:
-                        chunk["usage"] = usage_json(job.prompt_tokens, job.completion_tokens)
-                    yield chunk
-        finally:
-            self.pipeline.jobs.remove(job)
+        async with contextlib.aclosing(job.deltas()) as deltas:
+            async for delta in deltas:
+                chunk: dict[str, Any] = {
+                    "request_id": job.request_id,
+                    "choices": [self._delta_json(delta)],
+                }
+                if not sent_prompt_logprobs and delta.choice.prompt_logprobs is not None:
+                    sent_prompt_logprobs = True
+                    chunk["prompt_logprobs"] = self._prompt_logprobs_json()
+                if continuous:
+                    chunk["usage"] = usage_json(job.prompt_tokens, job.completion_tokens)
+                yield chunk
         if include_usage:
             yield {
                 "request_id": job.request_id,
@@ -280,6 +289,6 @@ async def start_generation(
         request_id,
         [checked],
         parsing=parsing,
-        adapter=pipeline.adapter_of(body.model),
+        adapter=pipeline.control.adapters.name_of(body.model),
     )
     return Generation(pipeline, job, body)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tokenwire.engine.base import EngineError
@@ -21,19 +21,38 @@ T = TypeVar("T")
 
 
 class GenerationJob:
-    """A running request: its choices, streamed by the engine and merged as they come."""
+    """A running request: its choices, streamed by the engine and merged as they come.
 
-    def __init__(self, engine: Engine, request_id: str, choices: list[Choice]) -> None:
+    ``on_end`` runs once when its deltas end, however they end (unregistering the job and
+    releasing what it held)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        request_id: str,
+        choices: list[Choice],
+        on_end: Callable[[], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.request_id = request_id
         self.choices = choices
+        self._on_end = on_end
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Merged deltas of all choices; leaving early aborts whatever still runs."""
-        streams = merge([self._run(choice) for choice in self.choices])
-        async with contextlib.aclosing(streams):
-            async for _, delta in streams:
-                yield delta
+        try:
+            streams = merge([self._run(choice) for choice in self.choices])
+            async with contextlib.aclosing(streams):
+                async for _, delta in streams:
+                    yield delta
+        finally:
+            self.end()
+
+    def end(self) -> None:
+        """Run ``on_end`` (once)."""
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end()
 
     async def run(self) -> list[Choice]:
         """Run every choice to its end."""

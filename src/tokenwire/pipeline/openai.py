@@ -132,7 +132,7 @@ class CompletionRun:
         try:
             choices = await job.run()
         finally:
-            self.pipeline.jobs.remove(job)
+            job.end()
         result = completion_json(
             response_id=job.request_id,
             kind=self.kind,
@@ -189,7 +189,7 @@ class CompletionRun:
                         chunk.update(self._chat_prompt_fields())  # the stream's first chunk
                     yield chunk
         finally:
-            self.pipeline.jobs.remove(job)
+            job.end()
         if self.session is not None:
             await self.session.record(job.choices[0], reply.message())
         options = self.stream_options
@@ -348,7 +348,7 @@ async def start_chat_completion(
         prompt.request_id,
         [prompt.prompt],
         parsing=parsing,
-        adapter=pipeline.adapter_of(body.model),
+        adapter=pipeline.control.adapters.name_of(body.model),
     )
     return CompletionRun(
         pipeline,
@@ -370,7 +370,7 @@ async def start_completion(pipeline: Pipeline, body: CompletionRequest) -> Compl
         completion_request_id(body),
         prompts,
         parsing=PLAIN,
-        adapter=pipeline.adapter_of(body.model),
+        adapter=pipeline.control.adapters.name_of(body.model),
     )
     answer = AnswerOptions.of(body, body.logprobs)
     if body.echo:

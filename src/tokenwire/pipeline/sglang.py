@@ -76,7 +76,7 @@ class SGLangRun:
             async for delta in self.job.deltas():
                 self._add(delta)
         finally:
-            self.pipeline.jobs.remove(self.job)
+            self.job.end()
         results = [self._json(choice) for choice in self.job.choices]
         return results if self.listed else results[0]
 
@@ -106,7 +106,7 @@ class SGLangRun:
                         result["index"] = delta.index
                     yield result
         finally:
-            self.pipeline.jobs.remove(self.job)
+            self.job.end()
 
     def _add(self, delta: ChoiceDelta) -> None:
         """Keep the decoder in step (logprob token texts need it) and the logprob rows."""
@@ -232,7 +232,7 @@ def _sampling(body: SGLangGenerateRequest) -> SamplingParamsModel:
         raise InvalidRequest(str(exc), "sampling_params") from exc
 
 
-def _adapter(pipeline: Pipeline, body: SGLangGenerateRequest) -> str | None:
+def _adapter(body: SGLangGenerateRequest) -> str | None:
     """SGLang's ``lora_path`` names a loaded adapter (per prompt in a batch: one for all here)."""
     given = body.lora_path if isinstance(body.lora_path, list) else [body.lora_path]
     names = set(given)
@@ -240,10 +240,7 @@ def _adapter(pipeline: Pipeline, body: SGLangGenerateRequest) -> str | None:
         raise InvalidRequest(
             "lora_path: one adapter per request here (send a batch per adapter)", "lora_path"
         )
-    name = names.pop() if names else None
-    if name is not None and name not in pipeline.adapters.loaded:
-        raise InvalidRequest(f"lora_path: no LoRA adapter {name!r} is loaded", "lora_path")
-    return name
+    return names.pop() if names else None
 
 
 async def start_sglang_generate(pipeline: Pipeline, body: SGLangGenerateRequest) -> SGLangRun:
@@ -278,6 +275,12 @@ async def start_sglang_generate(pipeline: Pipeline, body: SGLangGenerateRequest)
     rid = body.rid or uuid.uuid4().hex
     rids = rid if isinstance(rid, list) else [rid] * len(prompts)
     job = start_job(
-        pipeline, runtime, rids[0], prompts, parsing=PLAIN, adapter=_adapter(pipeline, body)
+        pipeline,
+        runtime,
+        rids[0],
+        prompts,
+        parsing=PLAIN,
+        adapter=_adapter(body),
+        adapter_param="lora_path",
     )
     return SGLangRun(pipeline, job, body, rids)

@@ -265,6 +265,9 @@ class WorldSizeResponse(BaseModel):
 
 class WeightInfoResponse(BaseModel):
     weight_version: str
+    # tokenwire's: the weight lifecycle's state, and why the weights are broken (else null).
+    state: Literal["whole", "updating", "broken"]
+    reason: str | None
 
 
 class UpdateWeightVersionResponse(BaseModel):

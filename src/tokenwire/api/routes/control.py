@@ -15,9 +15,9 @@ from starlette.responses import PlainTextResponse, Response
 from tokenwire.api.control_key import CONTROL
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import pipeline_of
-from tokenwire.pipeline import control, weight_transfer
+from tokenwire.pipeline.control.gate import SGLANG_MEMORY_TAGS
+from tokenwire.pipeline.control.info import ConfigFormat, server_info
 from tokenwire.pipeline.errors import InvalidRequest
-from tokenwire.pipeline.server_info import ConfigFormat, server_info
 from tokenwire.protocol.control import (
     DestroyWeightsUpdateGroupBody,
     FinishWeightUpdateBody,
@@ -66,19 +66,19 @@ _SGLANG_FLUSHED = (
 
 @router.post("/pause", response_model=StatusResponse)
 async def pause(request: Request, mode: str = "abort", clear_cache: bool = False) -> Response:
-    paused = await control.pause(pipeline_of(request), mode, clear_cache=clear_cache)
+    paused = await pipeline_of(request).control.gate.pause(mode, clear_cache=clear_cache)
     return OrjsonResponse({"status": "paused" if paused else "resumed"})
 
 
 @router.post("/resume", response_model=StatusResponse)
 async def resume(request: Request) -> Response:
-    await control.resume(pipeline_of(request))
+    await pipeline_of(request).control.resume()
     return OrjsonResponse({"status": "resumed"})
 
 
 @router.get("/is_paused", response_model=IsPausedResponse)
 async def is_paused(request: Request) -> Response:
-    return OrjsonResponse({"is_paused": control.is_paused(pipeline_of(request))})
+    return OrjsonResponse({"is_paused": pipeline_of(request).control.gate.paused})
 
 
 @router.post("/sleep", response_model=StatusResponse)
@@ -89,7 +89,7 @@ async def sleep(
     if body is not None:
         level = level if body.level is None else body.level
         mode = mode if body.mode is None else body.mode
-    await control.sleep(pipeline_of(request), level, mode=mode)
+    await pipeline_of(request).control.sleep(level, mode=mode)
     return OrjsonResponse({"status": "ok"})
 
 
@@ -102,19 +102,19 @@ async def wake_up(
     """vLLM's wake-up (``tags`` repeated in the query); skyrl-train's body and answer."""
     if body is not None and body.tags is not None:
         tags = body.tags
-    await control.wake_up(pipeline_of(request), tags)
+    await pipeline_of(request).control.wake_up(tags)
     return OrjsonResponse({"status": "ok"})
 
 
 @router.get("/is_sleeping", response_model=IsSleepingResponse)
 async def is_sleeping(request: Request) -> Response:
-    return OrjsonResponse({"is_sleeping": pipeline_of(request).control.sleeping})
+    return OrjsonResponse({"is_sleeping": pipeline_of(request).control.gate.sleeping})
 
 
 @router.post("/update_weight_version", response_model=UpdateWeightVersionResponse)
 async def update_weight_version(body: UpdateWeightVersionBody, request: Request) -> Response:
-    await control.set_weight_version(
-        pipeline_of(request), body.new_version, abort_all_requests=body.abort_all_requests
+    await pipeline_of(request).control.set_weight_version(
+        body.new_version, abort_all_requests=body.abort_all_requests
     )
     return OrjsonResponse(
         {"success": True, "new_version": body.new_version, "message": "weight version updated"}
@@ -123,15 +123,14 @@ async def update_weight_version(body: UpdateWeightVersionBody, request: Request)
 
 @router.get("/weight_info", response_model=WeightInfoResponse)
 async def weight_info(request: Request) -> Response:
-    engine = pipeline_of(request).ready().engine
-    return OrjsonResponse({"weight_version": engine.weight_version})
+    return OrjsonResponse(pipeline_of(request).control.weight_info())
 
 
 @router.post("/update_weights", response_model=UpdateWeightsResponse | MessageResponse)
 async def update_weights(body: UpdateWeightsBody, request: Request) -> Response:
     """prime-rl's checkpoint directory, or vLLM's ``update_info`` (between start and finish)."""
-    version = await weight_transfer.update_weights(
-        pipeline_of(request), body.weight_dir, body.weight_version, body.update_info
+    version = await pipeline_of(request).control.update_weights(
+        body.weight_dir, body.weight_version, body.update_info
     )
     if version is None:
         return OrjsonResponse({"message": "Weights updated"})
@@ -144,13 +143,13 @@ async def update_weights(body: UpdateWeightsBody, request: Request) -> Response:
 @router.post("/init_weight_transfer_engine", response_model=MessageResponse)
 async def init_weight_transfer_engine(body: InitWeightTransferBody, request: Request) -> Response:
     """Join the trainer's group (answers once every rank joined)."""
-    await weight_transfer.init(pipeline_of(request), body.init_info)
+    await pipeline_of(request).control.transfer.init(body.init_info)
     return OrjsonResponse({"message": "Weight transfer initialized"})
 
 
 @router.post("/start_weight_update", response_model=MessageResponse)
 async def start_weight_update(request: Request) -> Response:
-    await weight_transfer.start(pipeline_of(request))
+    await pipeline_of(request).control.transfer.start()
     return OrjsonResponse({"message": "Weight update started"})
 
 
@@ -159,19 +158,19 @@ async def finish_weight_update(
     request: Request, body: FinishWeightUpdateBody | None = None
 ) -> Response:
     version = None if body is None else body.weight_version
-    await weight_transfer.finish(pipeline_of(request), version)
+    await pipeline_of(request).control.transfer.finish(version)
     return OrjsonResponse({"message": "Weight update finished"})
 
 
 @router.post("/shutdown_weight_transfer_engine", response_model=MessageResponse)
 async def shutdown_weight_transfer_engine(request: Request) -> Response:
-    await weight_transfer.shutdown(pipeline_of(request))
+    await pipeline_of(request).control.transfer.shutdown()
     return OrjsonResponse({"message": "Weight transfer shut down"})
 
 
 @router.post("/init_weights_update_group", response_model=SuccessMessageResponse)
 async def init_weights_update_group(body: InitWeightsUpdateGroupBody, request: Request) -> Response:
-    await weight_transfer.init_group(pipeline_of(request), body)
+    await pipeline_of(request).control.transfer.init_group(body)
     return OrjsonResponse(
         {"success": True, "message": "Succeeded to initialize custom process group."}
     )
@@ -181,7 +180,7 @@ async def init_weights_update_group(body: InitWeightsUpdateGroupBody, request: R
 async def update_weights_from_distributed(
     body: UpdateWeightsFromDistributedBody, request: Request
 ) -> Response:
-    await weight_transfer.update_from_distributed(pipeline_of(request), body)
+    await pipeline_of(request).control.transfer.update_from_distributed(body)
     return OrjsonResponse(
         {"success": True, "message": "Succeeded to update parameter online from distributed."}
     )
@@ -192,7 +191,7 @@ async def destroy_weights_update_group(
     request: Request, body: DestroyWeightsUpdateGroupBody | None = None
 ) -> Response:
     group_name = DestroyWeightsUpdateGroupBody().group_name if body is None else body.group_name
-    await weight_transfer.shutdown(pipeline_of(request), group_name)
+    await pipeline_of(request).control.transfer.shutdown(group_name)
     return OrjsonResponse(
         {"success": True, "message": "Succeeded to destroy custom process group."}
     )
@@ -202,24 +201,21 @@ async def destroy_weights_update_group(
 async def update_weights_from_tensor(
     body: UpdateWeightsFromTensorBody, request: Request
 ) -> Response:
-    await weight_transfer.update_from_tensor(pipeline_of(request), body)
+    await pipeline_of(request).control.transfer.update_from_tensor(body)
     return OrjsonResponse({"success": True, "message": "Succeeded to update model weights."})
 
 
 @router.post("/update_weights_from_disk", response_model=UpdateWeightsFromDiskResponse)
 async def update_weights_from_disk(body: UpdateWeightsFromDiskBody, request: Request) -> Response:
     pipeline = pipeline_of(request)
-    version = await control.load_weights(
-        pipeline,
-        body.model_path,
-        body.weight_version,
-        abort_all_requests=body.abort_all_requests,
+    version = await pipeline.control.reload(
+        body.model_path, body.weight_version, abort_all_requests=body.abort_all_requests
     )
     return OrjsonResponse(
         {
             "success": True,
             "message": f"Succeeded to update model weights (version {version}).",
-            "num_paused_requests": control.num_paused_requests(pipeline),
+            "num_paused_requests": pipeline.control.num_paused_requests(),
         }
     )
 
@@ -228,13 +224,13 @@ async def update_weights_from_disk(body: UpdateWeightsFromDiskBody, request: Req
 async def pause_generation(request: Request, body: PauseGenerationBody | None = None) -> Response:
     """SGLang's pause; new requests wait for /continue_generation. AReaL sends no body."""
     mode = "abort" if body is None else body.mode
-    await control.pause_generation(pipeline_of(request), mode)
+    await pipeline_of(request).control.gate.hold(mode)
     return OrjsonResponse({"message": "Generation paused.", "status": "ok"})
 
 
 @router.post("/continue_generation", response_model=MessageStatusResponse)
 async def continue_generation(request: Request) -> Response:
-    await control.resume(pipeline_of(request))
+    await pipeline_of(request).control.resume()
     return OrjsonResponse({"message": "Generation continued.", "status": "ok"})
 
 
@@ -244,8 +240,8 @@ async def release_memory_occupation(
     request: Request, body: MemoryOccupationBody | None = None
 ) -> Response:
     """SGLang's sleep: the ``tags`` (default: all of SGLang's) sleep until resumed."""
-    tags = control.SGLANG_MEMORY_TAGS if body is None or body.tags is None else body.tags
-    await control.sleep(pipeline_of(request), 1, tags=tags)
+    tags = SGLANG_MEMORY_TAGS if body is None or body.tags is None else body.tags
+    await pipeline_of(request).control.sleep(1, tags=tags)
     return OrjsonResponse(None)
 
 
@@ -254,7 +250,7 @@ async def release_memory_occupation(
 async def resume_memory_occupation(
     request: Request, body: MemoryOccupationBody | None = None
 ) -> Response:
-    await control.wake_up(pipeline_of(request), None if body is None else body.tags)
+    await pipeline_of(request).control.wake_up(None if body is None else body.tags)
     return OrjsonResponse(None)
 
 
@@ -262,7 +258,7 @@ async def resume_memory_occupation(
 @router.post("/flush_cache", response_class=PlainTextResponse)
 async def flush_cache(request: Request, timeout: Annotated[float, Query(ge=0.0)] = 0.0) -> Response:
     """SGLang's name for resetting the prefix cache, answered with SGLang's text."""
-    if not await control.flush_cache(pipeline_of(request), timeout):
+    if not await pipeline_of(request).control.flush_cache(timeout):
         # SGLang answers a refused flush with a 400 too.
         raise InvalidRequest(
             "Flush cache failed: running requests hold cached blocks; retry when idle"
@@ -272,7 +268,7 @@ async def flush_cache(request: Request, timeout: Annotated[float, Query(ge=0.0)]
 
 @router.post("/reset_prefix_cache", response_model=SuccessResponse)
 async def reset_prefix_cache(request: Request) -> Response:
-    success = await pipeline_of(request).ready().engine.reset_prefix_cache()
+    success = await pipeline_of(request).control.flush_cache()
     return OrjsonResponse({"success": success})
 
 

@@ -12,7 +12,6 @@ from tokenwire.api.openapi import MEDIA_ERRORS, streamed
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.sse import sse_response
 from tokenwire.api.state import pipeline_of
-from tokenwire.pipeline import control
 from tokenwire.pipeline import generate as generation
 from tokenwire.pipeline.logprob_limit import apply_logprob_limit
 from tokenwire.protocol.control import AbortRequestsBody, InferenceAbortBody
@@ -46,12 +45,12 @@ async def abort_requests(body: AbortRequestsBody, request: Request) -> Response:
     that needs the control key)."""
     if not body.request_ids:
         require_control_key(request)
-    aborted = await control.abort_requests(pipeline_of(request), body.request_ids)
+    aborted = await pipeline_of(request).control.abort(body.request_ids)
     return OrjsonResponse({"status": "aborted", "aborted": aborted})
 
 
 @router.post("/inference/v1/abort_requests", response_class=Response)
 async def inference_abort_requests(body: InferenceAbortBody, request: Request) -> Response:
     if body.request_ids:  # unlike /abort_requests, an empty list aborts nothing
-        await control.abort_requests(pipeline_of(request), body.request_ids)
+        await pipeline_of(request).control.abort(body.request_ids)
     return Response(status_code=200)

@@ -13,6 +13,7 @@ from tokenwire.api.errors import error_response
 from tokenwire.api.metrics import Metrics
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import pipeline_of
+from tokenwire.pipeline.control.info import models
 from tokenwire.protocol.responses import ModelList, VersionResponse
 
 router = APIRouter(tags=["info"])
@@ -21,34 +22,7 @@ _STARTED = int(time.time())
 
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request) -> Response:
-    pipeline = pipeline_of(request)
-    runtime = pipeline.ready()
-    config = pipeline.config
-    data = [
-        {
-            "id": name,
-            "object": "model",
-            "created": _STARTED,
-            "owned_by": "tokenwire",
-            "root": config.model_root,
-            "parent": None,
-            "max_model_len": runtime.max_model_len,
-        }
-        for name in config.model_names
-    ]
-    data += [
-        {
-            "id": adapter.name,
-            "object": "model",
-            "created": _STARTED,
-            "owned_by": "tokenwire",
-            "root": adapter.path,
-            "parent": config.served_name,
-            "max_model_len": runtime.max_model_len,
-        }
-        for adapter in pipeline.adapters.loaded.values()
-    ]
-    return OrjsonResponse({"object": "list", "data": data})
+    return OrjsonResponse({"object": "list", "data": models(pipeline_of(request), _STARTED)})
 
 
 @router.get(

@@ -1,6 +1,6 @@
 """LoRA adapter routes (``--enable-rl-control`` with ``--enable-lora``): vLLM's, SkyRL's and
-SGLang's names for loading and unloading an adapter (``pipeline.lora``), from its directory or
-(SGLang's ``/load_lora_adapter_from_tensors``) from a trainer's memory."""
+SGLang's names for loading and unloading an adapter (the control plane's adapter registry), from
+its directory or (SGLang's ``/load_lora_adapter_from_tensors``) from a trainer's memory."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ from tokenwire.api.control_key import CONTROL
 from tokenwire.api.errors import expected_error
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import pipeline_of
-from tokenwire.pipeline import lora
 from tokenwire.pipeline.context import Pipeline
-from tokenwire.pipeline.weight_transfer import decode_tensors
+from tokenwire.pipeline.control.transfer import decode_tensors
 from tokenwire.protocol.control import (
     LoadLoraAdapterBody,
     LoadLoraAdapterFromTensorsBody,
@@ -26,8 +25,7 @@ router = APIRouter(tags=["lora", CONTROL])
 
 
 async def _load(request: Request, body: LoadLoraAdapterBody, *, inplace: bool) -> None:
-    await lora.load_adapter(
-        pipeline_of(request),
+    await pipeline_of(request).control.adapters.load_path(
         body.lora_name,
         body.lora_path,
         load_inplace=inplace,
@@ -51,7 +49,7 @@ async def skyrl_load_lora_adapter(request: Request, body: LoadLoraAdapterBody) -
 
 @router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
 async def unload_lora_adapter(request: Request, body: UnloadLoraAdapterBody) -> Response:
-    await lora.unload_adapter(pipeline_of(request), body.lora_name)
+    await pipeline_of(request).control.adapters.unload(body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
@@ -61,7 +59,7 @@ def _sglang_answer(pipeline: Pipeline, error: BaseException | None) -> Response:
     expected = None if error is None else expected_error(error)
     if error is not None and expected is None:
         raise error
-    loaded = {name: a.path for name, a in pipeline.adapters.loaded.items()}
+    loaded = {name: a.path for name, a in pipeline.control.adapters.loaded.items()}
     message = None if expected is None else expected[1]
     body = {"success": error is None, "error_message": message, "loaded_adapters": loaded}
     return OrjsonResponse(body, status_code=200 if error is None else 400)
@@ -83,8 +81,7 @@ async def sglang_load_lora_adapter_from_tensors(
     """SGLang's: an adapter from the trainer's memory, loaded (or replaced in place)."""
     pipeline = pipeline_of(request)
     try:
-        await lora.load_adapter_tensors(
-            pipeline,
+        await pipeline.control.adapters.load_tensors(
             body.lora_name,
             decode_tensors(body.load_format, body.entry),
             config=body.config_dict,
@@ -98,7 +95,7 @@ async def sglang_load_lora_adapter_from_tensors(
 @router.post("/unload_lora_adapter", response_model=SGLangLoraResponse)
 async def sglang_unload_lora_adapter(request: Request, body: UnloadLoraAdapterBody) -> Response:
     try:
-        await lora.unload_adapter(pipeline_of(request), body.lora_name)
+        await pipeline_of(request).control.adapters.unload(body.lora_name)
     except Exception as exc:
         return _sglang_answer(pipeline_of(request), exc)
     return _sglang_answer(pipeline_of(request), None)

@@ -13,7 +13,7 @@ from tokenwire.api.openapi import streamed
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.sse import sse_response
 from tokenwire.api.state import pipeline_of
-from tokenwire.pipeline import control
+from tokenwire.pipeline.control import info
 from tokenwire.pipeline.logprob_limit import apply_logprob_limit
 from tokenwire.pipeline.sglang import start_sglang_generate
 from tokenwire.protocol.control import AbortRequestBody
@@ -49,20 +49,20 @@ async def abort_request(body: AbortRequestBody, request: Request) -> Response:
     if body.abort_all:  # every client's requests
         require_control_key(request)
     ids = None if body.abort_all else [body.rid]
-    await control.abort_requests(pipeline_of(request), ids)
+    await pipeline_of(request).control.abort(ids)
     return Response(status_code=200)
 
 
 @router.get("/model_info", response_model=ModelInfo)
 async def model_info(request: Request) -> Response:
-    return OrjsonResponse(control.model_info(pipeline_of(request)))
+    return OrjsonResponse(info.model_info(pipeline_of(request)))
 
 
 @router.get("/get_load", response_model=GetLoadResponse)
 async def get_load(request: Request) -> Response:
-    return OrjsonResponse({"load": control.load(pipeline_of(request))})
+    return OrjsonResponse({"load": pipeline_of(request).control.load()})
 
 
 @router.get("/load", response_model=ServerLoadResponse)
 async def load(request: Request) -> Response:
-    return OrjsonResponse({"server_load": control.load(pipeline_of(request))})
+    return OrjsonResponse({"server_load": pipeline_of(request).control.load()})

@@ -19,6 +19,7 @@ import torch
 
 from tokenwire.engine.base import (
     AdapterTensors,
+    AdapterVersion,
     EngineError,
     EngineFeature,
     EngineOutput,
@@ -154,9 +155,6 @@ class HFEngine:
         if max_loras:
             features.add("lora")
         self.features = frozenset(features)
-        # Adapter names new requests may ask for (the engine thread's table is the truth; this
-        # loop-side copy lets generate() refuse an unknown name with a 400).
-        self._adapter_names: set[str] = set()
 
         self._runner = ModelRunner(
             self.model_dir,
@@ -247,13 +245,11 @@ class HFEngine:
         media: Any | None = None,
         cache_salt: str | None = None,
         *,
-        adapter: str | None = None,
+        adapter: AdapterVersion | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Stream a request's outputs; closing the iterator early aborts it in the engine."""
         prompt = list(prompt_token_ids)
         checked = self._validate(prompt, sampling, media)
-        if adapter is not None and adapter not in self._adapter_names:
-            raise EngineError(f"LoRA adapter {adapter!r} is not loaded")
         if request_id in self._live:
             raise EngineError(f"request id {request_id!r} is already running")
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
@@ -303,9 +299,6 @@ class HFEngine:
     @property
     def weight_version(self) -> str:
         return self._scheduler.weight_version
-
-    def is_paused(self) -> bool:
-        return self._scheduler.paused
 
     async def pause(self, mode: PauseMode, *, clear_cache: bool = False) -> int:
         """Stop stepping (see ``Engine.pause``); applied between two steps."""
@@ -363,15 +356,14 @@ class HFEngine:
         """Forget every cached block (always succeeds: running rows keep their own KV)."""
         return bool(await self._command(ResetPrefixCache))
 
-    async def load_adapter(self, name: str, source: Path | AdapterTensors, version: str) -> None:
+    async def load_adapter(self, adapter: AdapterVersion, source: Path | AdapterTensors) -> None:
         """Read and check the adapter on a worker thread, then put it in a slot between steps."""
         slots = self._adapter_slots()
         if isinstance(source, AdapterTensors):
             weights = await asyncio.to_thread(slots.check, source)
         else:
             weights = await asyncio.to_thread(slots.read, Path(source))
-        await self._command(lambda reply: LoadAdapter(name, weights, version, reply))
-        self._adapter_names.add(name)
+        await self._command(lambda reply: LoadAdapter(adapter, weights, reply))
 
     def check_adapter_update(
         self, config: Mapping[str, Any], tensors: Sequence[TensorMeta]
@@ -388,9 +380,8 @@ class HFEngine:
             raise WeightsError("LoRA is off (start the server with --enable-lora)")
         return slots
 
-    async def unload_adapter(self, name: str) -> None:
-        self._adapter_names.discard(name)  # first: no request queued after this asks for it
-        await self._command(lambda reply: UnloadAdapter(name, reply))
+    async def unload_adapter(self, adapter: AdapterVersion) -> None:
+        await self._command(lambda reply: UnloadAdapter(adapter, reply))
 
     async def _command(self, make: Any) -> Any:
         if not self.is_ready():

@@ -13,7 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenwire.engine.base import EngineOutput, FinishReason, PauseMode, SamplingParams
+from tokenwire.engine.base import (
+    AdapterVersion,
+    EngineOutput,
+    FinishReason,
+    PauseMode,
+    SamplingParams,
+)
 from tokenwire.engine.hf.lora import AdapterWeights
 from tokenwire.engine.hf.multimodal import RequestMedia
 from tokenwire.engine.hf.sampling import RowSampler
@@ -64,12 +70,11 @@ class Request:
     salt: bytes = b""  # ``prefix_cache.salt_key`` of its cache_salt
     # New weights came in after its prefill: its KV mixes two weight versions, keep none of it.
     stale_kv: bool = False
-    # The LoRA adapter it asked for (None: the base model), and what the scheduler pinned when
-    # the request arrived: the adapter slot its rows use (0: none) and the version its tokens
-    # report (its KV's prefix-cache keys are salted with that version too).
-    adapter: str | None = None
+    # The LoRA adapter version it runs under (None: the base model; its tokens report that
+    # version, and its KV's prefix-cache keys are salted with it), and the slot its rows use
+    # (0: none), found when the request arrives.
+    adapter: AdapterVersion | None = None
     adapter_slot: int = 0
-    adapter_version: str | None = None
     # A prompt longer than one prefill forward, part-way through (see ``PrefillProgress``).
     progress: PrefillProgress | None = None
 
@@ -157,15 +162,14 @@ class NewWeights:
 
 @dataclass(slots=True)
 class LoadAdapter:
-    name: str
+    adapter: AdapterVersion
     weights: AdapterWeights
-    version: str
     reply: Reply
 
 
 @dataclass(slots=True)
 class UnloadAdapter:
-    name: str
+    adapter: AdapterVersion
     reply: Reply
 
 

@@ -153,8 +153,10 @@ class ModelRunner:
         # are checked against it and copied into it.
         self.weights: dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
         if self._max_loras:
+            # One slot beyond --max-loras: a load fills it before the version it replaces
+            # leaves (the adapter registry counts the versions against --max-loras).
             self.adapters = AdapterSlots(
-                model, max_loras=self._max_loras, max_rank=self._max_lora_rank
+                model, max_loras=self._max_loras + 1, max_rank=self._max_lora_rank
             )
         # transformers 5.24 renamed the forward's past_key_values to cache; .venv-vllm has 5.19.
         params = inspect.signature(model.forward).parameters

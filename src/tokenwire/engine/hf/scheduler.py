@@ -70,11 +70,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class LiveAdapter:
-    """The version of a LoRA adapter new requests get: its slot, its version, and what salts
-    the prefix-cache keys of KV computed under it (unique per load)."""
+    """A LoRA adapter version the engine holds: its slot, and what salts the prefix-cache keys
+    of KV computed under it (unique per load)."""
 
     slot: int
-    version: str
     salt: bytes
 
 
@@ -113,8 +112,7 @@ class Scheduler:
         # Set by a prefill; the busy -> idle edge then frees what the peak batch held.
         self._memory_to_release = False
         self.weight_version = DEFAULT_WEIGHT_VERSION
-        self.adapters: dict[str, LiveAdapter] = {}
-        self._adapter_loads = 0  # makes each loaded version's cache root unique
+        self.adapters: dict[int, LiveAdapter] = {}  # by ``AdapterVersion.id``
         self.num_running = 0
         self.num_waiting = 0
         self.steps = 0
@@ -230,35 +228,29 @@ class Scheduler:
                 break
 
     def _admit(self, req: Request, emits: Emits) -> None:
-        """Queue a request, pinned to the adapter version loaded now (if it asked for one)."""
+        """Queue a request in the slot of its adapter version (if it runs under one)."""
         if req.adapter is not None:
-            live = self.adapters.get(req.adapter)
-            if live is None:  # the engine checks names before queueing; an unload raced it
-                emits.append((req.sink, EngineError(f"LoRA adapter {req.adapter!r} unloaded")))
+            live = self.adapters.get(req.adapter.id)
+            if live is None:  # the registry holds a version for its requests: a bug
+                emits.append((req.sink, EngineError(f"LoRA adapter {req.adapter} is not held")))
                 return
             req.adapter_slot = live.slot
-            req.adapter_version = live.version
             # KV under another adapter version must never answer this one's lookups.
             req.salt = hashlib.blake2b(req.salt + live.salt, digest_size=16).digest()
         self.waiting.append(req)
 
     def _load_adapter(self, cmd: LoadAdapter) -> None:
-        """Put an adapter version in a slot no request and no other adapter uses; the version it
-        replaces keeps its slot while requests pinned to it run."""
+        """Put an adapter version in a slot no other version holds (the registry keeps the
+        count within the slots)."""
         slots = self.runner.adapters
         assert slots is not None, "HFEngine.load_adapter refuses a load with LoRA off"
-        busy = {r.adapter_slot for r in (*self.running, *self.waiting)}
-        busy |= {live.slot for name, live in self.adapters.items() if name != cmd.name}
+        busy = {live.slot for live in self.adapters.values()}
         slot = next((s for s in range(1, slots.max_loras + 1) if s not in busy), None)
         if slot is None:
-            raise WeightsError(
-                f"all {slots.max_loras} --max-loras slots hold adapter versions in use; unload "
-                "one, wait for requests of replaced versions to finish, or raise --max-loras"
-            )
+            raise WeightsError(f"every one of the {slots.max_loras} adapter slots is taken")
         slots.put(slot, cmd.weights)
-        self._adapter_loads += 1
-        salt = hashlib.blake2b(f"lora:{self._adapter_loads}".encode(), digest_size=16).digest()
-        self.adapters[cmd.name] = LiveAdapter(slot, cmd.version, salt)
+        salt = hashlib.blake2b(f"lora:{cmd.adapter.id}".encode(), digest_size=16).digest()
+        self.adapters[cmd.adapter.id] = LiveAdapter(slot, salt)
 
     def _control(self, cmd: Command, emits: Emits) -> None:
         """Pause, resume, swap weights or set the version, between two steps."""
@@ -304,7 +296,9 @@ class Scheduler:
                 return
             cmd.reply.send(None)
         elif isinstance(cmd, UnloadAdapter):
-            self.adapters.pop(cmd.name, None)  # its slot frees once its requests end
+            live = self.adapters.pop(cmd.adapter.id, None)  # none of its requests is left
+            if live is not None and self.runner.adapters is not None:
+                self.runner.adapters.clear(live.slot)
             cmd.reply.send(None)
         elif isinstance(cmd, ResetPrefixCache):
             self.prefix.clear()
@@ -340,7 +334,7 @@ class Scheduler:
 
     def _version(self, req: Request) -> str:
         """The version that samples ``req``'s tokens: its adapter's, else the base weights'."""
-        return req.adapter_version or self.weight_version
+        return self.weight_version if req.adapter is None else req.adapter.version
 
     def _output(
         self, req: Request, token_ids: list[int], finish: FinishReason | None = None

@@ -49,7 +49,7 @@ def engine_args(
         args.enable_lora = True
         args.max_loras = max_loras
         args.max_lora_rank = max_lora_rank
-        # The engine keeps at most max_loras adapter versions in vLLM, and loads a replacement
+        # The adapter registry keeps at most max_loras versions in use, and loads a replacement
         # before it drops the version replaced: one spare, so vLLM's CPU cache never evicts an
         # adapter (it would read it again from a path the trainer may have rewritten since).
         args.max_cpu_loras = max_loras + 1

@@ -24,6 +24,7 @@ from tokenwire import adapter_files
 from tokenwire.engine.base import (
     DEFAULT_WEIGHT_VERSION,
     AdapterTensors,
+    AdapterVersion,
     EngineError,
     EngineFeature,
     EngineOutput,
@@ -44,16 +45,12 @@ from tokenwire.weight_transfer import TensorMeta, dtype_name, safetensors_bytes
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True, eq=False)
-class _AdapterVersion:
-    """One load of an adapter, resident in vLLM under its own LoRA id until it is replaced or
-    unloaded and its last request has finished."""
+@dataclass(frozen=True, slots=True)
+class _LoadedAdapter:
+    """An adapter version resident in vLLM, under its own LoRA id."""
 
     request: Any  # vLLM's LoRARequest
-    version: str
     written: Path | None  # the directory an adapter sent from memory was written to
-    running: int = 0
-    retired: bool = False
 
 
 class VLLMEngine:
@@ -93,11 +90,8 @@ class VLLMEngine:
         }
         if max_loras:
             self.features = self.features | {"lora"}
-        # The version of each adapter new requests get, and every version vLLM holds (those
-        # plus replaced or unloaded ones whose requests still run), by LoRA id.
-        self._adapters: dict[str, _AdapterVersion] = {}
-        self._resident: dict[int, _AdapterVersion] = {}
-        self._lora_ids = 0
+        # The adapter versions vLLM holds, by ``AdapterVersion.id`` (vLLM's LoRA id too).
+        self._adapters: dict[int, _LoadedAdapter] = {}
         # Adapters sent from memory are written where vLLM's workers read them, one directory
         # per load, kept while vLLM holds that load.
         self._adapter_root: tempfile.TemporaryDirectory[str] | None = None
@@ -108,7 +102,6 @@ class VLLMEngine:
         self.logprobs_mode = "raw_logprobs"
         self.dtype = dtype or "auto"  # vLLM's resolved dtype once started
         self._version = DEFAULT_WEIGHT_VERSION
-        self._paused = False
         self._live: dict[str, str] = {}  # tokenwire request id -> vLLM's internal id
         self._layout = checkpoint_layout(self.model_dir) if self._has_safetensors() else None
         # Weight transfer (worker.py): what the worker's device can receive over, the tensors
@@ -196,7 +189,7 @@ class VLLMEngine:
         media: Any | None = None,
         cache_salt: str | None = None,
         *,
-        adapter: str | None = None,
+        adapter: AdapterVersion | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Stream a request's outputs; closing the iterator early aborts it in vLLM."""
         from vllm.exceptions import VLLMClientError
@@ -209,24 +202,15 @@ class VLLMEngine:
             raise EngineError("--engine vllm takes no image input yet (see docs/api.md)")
         if request_id in self._live:
             raise EngineError(f"request id {request_id!r} is already running")
-        pinned = None
-        if adapter is not None:
-            if adapter not in self._adapters:
-                raise EngineError(f"LoRA adapter {adapter!r} is not loaded")
-            pinned = self._adapters[adapter]
         params = sampling_params(sampling, self.logprobs_mode)
         tokens = TokensPrompt(prompt_token_ids=prompt)
         if cache_salt is not None:
             tokens["cache_salt"] = cache_salt
-        version = self._version if pinned is None else pinned.version
+        version = self._version if adapter is None else adapter.version
         state = OutputState(
-            prompt, sampling, frozenset(self.eos_token_ids), version, track_versions=pinned is None
+            prompt, sampling, frozenset(self.eos_token_ids), version, track_versions=not adapter
         )
-        lora = None
-        if pinned is not None:
-            # Held from here on: a replace or unload leaves this version in vLLM until it ends.
-            pinned.running += 1
-            lora = pinned.request
+        lora = None if adapter is None else self._adapters[adapter.id].request
         self._live[request_id] = ""
         collector = None
         finished = False
@@ -251,10 +235,6 @@ class VLLMEngine:
                 if not finished:
                     await self._llm.abort(collector.request_id, internal=True)
                 collector.close()
-            if pinned is not None:
-                pinned.running -= 1
-                if pinned.retired and not pinned.running:
-                    await self._remove_adapter(pinned)
 
     def _version_starts(self, internal_id: str) -> list[tuple[str, int]] | None:
         """The weight versions vLLM has stamped on a running request's tokens so far."""
@@ -275,21 +255,16 @@ class VLLMEngine:
     def weight_version(self) -> str:
         return self._version
 
-    def is_paused(self) -> bool:
-        return self._paused
-
     async def pause(self, mode: PauseMode, *, clear_cache: bool = False) -> int:
         """vLLM's pause, same modes; ``clear_cache`` also makes kept requests recompute."""
         self._require_running()
         in_flight = len(self._live)
         await self._llm.pause_generation(mode=mode, clear_cache=clear_cache)
-        self._paused = True
         return in_flight
 
     async def resume(self) -> None:
         self._require_running()
         await self._llm.resume_generation()
-        self._paused = False
 
     async def load_weights(self, weight_dir: Path, version: str) -> None:
         """Check the checkpoint's layout, reload it in place file by file (worker.py), and drop
@@ -323,39 +298,25 @@ class VLLMEngine:
         self._require_running()
         return bool(await self._llm.reset_prefix_cache())
 
-    async def load_adapter(self, name: str, source: Path | AdapterTensors, version: str) -> None:
-        """vLLM's ``add_lora`` under a new LoRA id per load, so that a replaced version keeps
+    async def load_adapter(self, adapter: AdapterVersion, source: Path | AdapterTensors) -> None:
+        """vLLM's ``add_lora`` under the version's own LoRA id, so that a replaced version keeps
         serving the requests that started under it (vLLM's ``load_inplace`` would swap their
         weights) and its prefix-cache blocks (keyed by LoRA name and path) serve no other."""
         from vllm.lora.request import LoRARequest
 
         self._require_running()
-        current = self._adapters.get(name)
-        # As the hf engine counts: the version a load replaces is free unless requests hold it.
-        held = [v for v in self._resident.values() if v is not current or v.running]
-        if len(held) >= self._options["max_loras"]:
-            raise WeightsError(
-                f"all {self._options['max_loras']} --max-loras slots hold adapter versions in "
-                "use; unload one, wait for requests of replaced versions to finish, or raise "
-                "--max-loras"
-            )
         written = None
         if isinstance(source, AdapterTensors):
             written = await asyncio.to_thread(self._write_adapter, source)
-        self._lora_ids += 1
-        lora_id = self._lora_ids
         path = written or source
-        request = LoRARequest(f"{name}#{lora_id}", lora_id, str(path))
+        request = LoRARequest(f"{adapter.name}#{adapter.id}", adapter.id, str(path))
         try:
             await self._llm.add_lora(request)
         except Exception as exc:
             if written is not None:
                 shutil.rmtree(written, ignore_errors=True)
             raise WeightsError(f"vLLM did not load the adapter: {exc}") from exc
-        loaded = _AdapterVersion(request, version, written)
-        self._resident[lora_id] = self._adapters[name] = loaded
-        if current is not None:
-            await self._retire(current)
+        self._adapters[adapter.id] = _LoadedAdapter(request, written)
 
     def _write_adapter(self, adapter: AdapterTensors) -> Path:
         if self._adapter_root is None:
@@ -364,25 +325,14 @@ class VLLMEngine:
         adapter_files.write(path, adapter.config, adapter.tensors)
         return path
 
-    async def unload_adapter(self, name: str) -> None:
-        self._require_running()
-        await self._retire(self._adapters.pop(name))
-
-    async def _retire(self, adapter: _AdapterVersion) -> None:
-        """No new request gets ``adapter``; vLLM drops it once its running requests end."""
-        adapter.retired = True
-        if not adapter.running:
-            await self._remove_adapter(adapter)
-
-    async def _remove_adapter(self, adapter: _AdapterVersion) -> None:
-        lora_id = adapter.request.lora_int_id
-        del self._resident[lora_id]
-        if adapter.written is not None:
-            shutil.rmtree(adapter.written, ignore_errors=True)
-        try:
-            await self._llm.remove_lora(lora_id)
-        except Exception:  # a dead engine holds nothing; the request that ended is unaffected
-            logger.warning("vLLM did not remove LoRA id %d", lora_id, exc_info=True)
+    async def unload_adapter(self, adapter: AdapterVersion) -> None:
+        loaded = self._adapters.pop(adapter.id, None)
+        if loaded is None:
+            return
+        if loaded.written is not None:
+            shutil.rmtree(loaded.written, ignore_errors=True)
+        if self.is_ready():  # a stopped engine holds nothing
+            await self._llm.remove_lora(adapter.id)
 
     # -- weight transfer: received inside vLLM's workers (worker.py) ----------------------------
     # Every call below is a collective_rpc: vLLM's engine core runs it between steps, so a join

@@ -1,4 +1,7 @@
-"""vLLM's ``GET /server_info``: the resolved configuration, in ``VllmConfig``'s JSON shape.
+"""Read-only answers about the server: vLLM's ``/server_info``, SGLang's ``/model_info``,
+the models list.
+
+``/server_info`` is the resolved configuration, in ``VllmConfig``'s JSON shape.
 
 TRL's trainers read it first (``vllm_config.model_config.dtype`` for the weights they send,
 the weight-transfer config); vLLM serves it in dev mode, tokenwire with the RL control routes.
@@ -9,10 +12,10 @@ weight-transfer config as ``--weight-transfer-config`` gave it (null without the
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from tokenwire.pipeline import weight_transfer
-from tokenwire.pipeline.context import Pipeline
+if TYPE_CHECKING:  # the pipeline composes the control plane
+    from tokenwire.pipeline.context import Pipeline
 
 ConfigFormat = Literal["text", "json"]
 
@@ -59,7 +62,7 @@ def vllm_config(pipeline: Pipeline) -> dict[str, Any]:
             else None
         ),
         "speculative_config": None,
-        "weight_transfer_config": weight_transfer.config_json(pipeline),
+        "weight_transfer_config": pipeline.control.transfer.config_json(),
     }
 
 
@@ -70,3 +73,38 @@ def _as_text(config: dict[str, Any]) -> str:
         items = value.items() if isinstance(value, dict) else [(name, value)]
         fields += [f"{key}={item!r}" for key, item in items]
     return ", ".join(fields)
+
+
+def model_info(pipeline: Pipeline) -> dict[str, Any]:
+    """SGLang's ``/model_info``."""
+    runtime = pipeline.ready()
+    return {
+        "model_path": pipeline.config.model_root,
+        "tokenizer_path": pipeline.config.model_root,
+        "is_generation": True,
+        "served_model_name": pipeline.config.served_name,
+        "weight_version": runtime.engine.weight_version,
+        "max_model_len": runtime.max_model_len,
+    }
+
+
+def models(pipeline: Pipeline, created: int) -> list[dict[str, Any]]:
+    """``/v1/models``' entries: each served name, then each loaded LoRA adapter."""
+    runtime = pipeline.ready()
+    config = pipeline.config
+
+    def entry(name: str, root: str, parent: str | None) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "tokenwire",
+            "root": root,
+            "parent": parent,
+            "max_model_len": runtime.max_model_len,
+        }
+
+    adapters = pipeline.control.adapters.loaded.values()
+    return [entry(name, config.model_root, None) for name in config.model_names] + [
+        entry(adapter.name, adapter.path, config.served_name) for adapter in adapters
+    ]

@@ -1,0 +1,420 @@
+"""Weights from the trainer's memory, no checkpoint on disk: vLLM's four-phase weight transfer
+and SGLang's one-call forms, as protocols that drive the weight lifecycle (``weights``).
+
+``init`` joins the trainer's process group (``--weight-transfer-config``'s backend; the trainer
+is rank 0, this server ``rank_offset``); ``start`` opens an update; each ``update`` checks its
+tensors against the model, then receives them (one broadcast each, or vLLM's packed chunks);
+``finish`` publishes the version once every weight came; ``shutdown`` leaves the group. A body
+the server will not take is refused before a byte is received; since the trainer broadcasts
+it anyway, the group cannot carry on in step and is closed. With ``lora_name`` an update
+carries one LoRA adapter's factors instead, loaded through the adapter registry at the end.
+
+The group is this object's; it changes only under the weight lifecycle's lock.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from tokenwire.engine.base import (
+    Engine,
+    EngineError,
+    WeightGroup,
+    WeightsError,
+    WeightTransferError,
+    WeightUpdate,
+)
+from tokenwire.pipeline.control.adapters import AdapterRegistry
+from tokenwire.pipeline.control.weights import WeightLifecycle
+from tokenwire.pipeline.errors import InvalidRequest
+from tokenwire.protocol.control import (
+    InitWeightsUpdateGroupBody,
+    TransferInitInfo,
+    TransferUpdateInfo,
+    UpdateWeightsFromDistributedBody,
+    UpdateWeightsFromTensorBody,
+)
+from tokenwire.weight_transfer import (
+    DEFAULT_GROUP_NAME,
+    TensorMeta,
+    WeightTransferConfig,
+    dtype_named,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferGroup:
+    """The open weight-transfer group, as ``init_info`` set it up."""
+
+    group_name: str
+    packed: bool
+    buffer_size_bytes: int
+
+
+@dataclass(slots=True)
+class StagedAdapter:
+    """A LoRA adapter's factors received so far in an update (``update_info.lora_name``)."""
+
+    name: str
+    config: dict[str, Any]
+    tensors: dict[str, Any] = field(default_factory=dict)
+
+
+class WeightTransfer:
+    """The trainer's group and the transfer protocols over it (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: WeightTransferConfig | None,
+        engine: Callable[[], Engine],
+        weights: WeightLifecycle,
+        adapters: AdapterRegistry,
+        abort_all: Callable[[], Awaitable[int]],
+    ) -> None:
+        self.config = config  # None: vLLM's weight-transfer routes are refused
+        self._engine = engine
+        self._weights = weights
+        self._adapters = adapters
+        self._abort_all = abort_all
+        self._group: TransferGroup | None = None
+        self._previous: tuple[TensorMeta, ...] = ()  # what empty update_info lists repeat
+
+    @property
+    def timeout_s(self) -> float:
+        """How long joining, and each broadcast, may wait for the trainer."""
+        return (self.config or WeightTransferConfig()).timeout_s
+
+    def config_json(self) -> dict[str, Any] | None:
+        """``/server_info``'s ``weight_transfer_config``."""
+        return None if self.config is None else self.config.as_json()
+
+    # -- joining and leaving ------------------------------------------------------------------
+
+    async def init(self, info: TransferInitInfo) -> None:
+        """vLLM's ``/init_weight_transfer_engine``."""
+        config = self._require_config()
+        if info.nccl_unique_id_b64 is not None:
+            raise InvalidRequest(
+                "init_info.nccl_unique_id_b64: an NCCL unique id is not taken here; send "
+                "master_address and master_port",
+                "init_info.nccl_unique_id_b64",
+            )
+        if info.master_address is None or info.master_port is None:
+            raise InvalidRequest(
+                "init_info: need both master_address and master_port", "init_info.master_address"
+            )
+        await self._join(
+            WeightGroup(
+                master_address=info.master_address,
+                master_port=info.master_port,
+                rank=info.rank_offset,
+                world_size=info.world_size,
+                backend=config.backend,
+                group_name=DEFAULT_GROUP_NAME,
+                timeout_s=config.timeout_s,
+            ),
+            TransferGroup(DEFAULT_GROUP_NAME, info.packed, info.packed_buffer_size_bytes),
+            "init_info",
+        )
+
+    async def init_group(self, body: InitWeightsUpdateGroupBody) -> None:
+        """SGLang's ``/init_weights_update_group``: the backend comes with the body."""
+        await self._join(
+            WeightGroup(
+                master_address=body.master_address,
+                master_port=body.master_port,
+                rank=body.rank_offset,
+                world_size=body.world_size,
+                backend=body.backend,
+                group_name=body.group_name,
+                timeout_s=self.timeout_s,
+            ),
+            TransferGroup(body.group_name, packed=False, buffer_size_bytes=0),
+            "backend",
+        )
+
+    async def _join(self, spec: WeightGroup, group: TransferGroup, param: str) -> None:
+        engine = self._engine()
+        backends = engine.weight_transfer_backends()
+        if spec.backend not in backends:
+            working = ", ".join(backends) or "none (load checkpoints with /update_weights)"
+            raise InvalidRequest(
+                f"backend {spec.backend!r} cannot move this server's weights; backends that "
+                f"work here: {working}",
+                param,
+            )
+        async with self._weights.locked():
+            if self._group is not None:
+                raise InvalidRequest(
+                    "a weight-transfer group is already open; shut it down first "
+                    "(/shutdown_weight_transfer_engine or /destroy_weights_update_group)",
+                    param,
+                )
+            try:
+                await engine.join_weight_group(spec)
+            except (EngineError, WeightTransferError) as exc:
+                raise InvalidRequest(f"weight transfer not initialised: {exc}", param) from exc
+            self._group = group
+
+    async def shutdown(self, group_name: str | None = None) -> None:
+        """vLLM's ``/shutdown_weight_transfer_engine`` (refused during an update, as vLLM does)
+        and SGLang's ``/destroy_weights_update_group``."""
+        async with self._weights.locked():
+            if self._weights.update is not None:
+                raise InvalidRequest("Cannot release a trainer connection during a weight update")
+            if group_name is not None and (
+                self._group is None or self._group.group_name != group_name
+            ):
+                raise InvalidRequest(f"no weight-transfer group named {group_name!r}", "group_name")
+            await self._leave()  # nothing to leave is fine (vLLM's shutdown is a no-op then)
+
+    async def _leave(self) -> None:
+        """Close the group (the caller holds the lock)."""
+        if self._group is not None:
+            self._group = None
+            await self._engine().leave_weight_group()
+
+    # -- vLLM's phases ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """vLLM's ``/start_weight_update``: open an update (generation paused meanwhile)."""
+        self._engine()
+        self._require_config()
+        async with self._weights.locked():
+            await self._weights.begin(on_abandon=self._leave)
+
+    async def update(self, update_info: TransferUpdateInfo | list[TransferUpdateInfo]) -> None:
+        """vLLM's ``/update_weights {update_info}``: receive while the trainer broadcasts (into
+        the model, or, with ``lora_name``, into the adapter that finish loads)."""
+        self._engine()
+        if isinstance(update_info, list):
+            if not update_info:
+                raise InvalidRequest("update_info: an empty list names no receiving rank")
+            update_info = update_info[0]  # vLLM's list is indexed by receiving rank: this is 0
+        metas = _metas(update_info.names, update_info.dtype_names, update_info.shapes)
+        async with self._weights.locked():
+            group = self._group
+            if group is None:
+                raise InvalidRequest(
+                    "update_info: the weight-transfer engine is not initialised: POST "
+                    "/init_weight_transfer_engine first (or, to load a checkpoint directory, "
+                    'send prime-rl\'s {"weight_dir": ..., "weight_version": ...})',
+                    "update_info",
+                )
+            current = self._weights.open_update()
+            if not metas:
+                if not self._previous:
+                    raise InvalidRequest(
+                        "update_info: empty lists repeat the previous update, and there is none",
+                        "update_info",
+                    )
+                metas = self._previous
+            packed = group.packed if update_info.packed is None else update_info.packed
+            size = update_info.packed_buffer_size_bytes or group.buffer_size_bytes
+            update = WeightUpdate(metas, packed, size)
+            if update_info.lora_name is None and current.staged is None:
+                await self._receive_into_model(update, "update_info")
+            else:
+                await self._stage_factors(update, update_info.lora_name, update_info.lora_config)
+            self._previous = metas
+
+    async def finish(self, version: str | None) -> None:
+        """vLLM's ``/finish_weight_update {weight_version?}``: every weight must have come."""
+        async with self._weights.locked():
+            if self._weights.update is None:
+                raise InvalidRequest(
+                    "finish_weight_update called without a matching start_weight_update."
+                )
+            staged = self._weights.update.staged
+            if staged is None:
+                await self._weights.finish(version)
+                return
+            try:
+                await self._load_adapter(staged, version, "update_info.lora_name")
+            finally:
+                await self._weights.end()
+
+    async def _receive_into_model(self, update: WeightUpdate, param: str) -> None:
+        """Check, then receive into the model (lock held, an update open)."""
+        try:
+            self._engine().check_weight_update(update.tensors)
+        except WeightsError as exc:
+            await self._refuse(exc, param)
+        try:
+            await self._weights.receive(update, param)
+        except InvalidRequest:  # the broadcast broke off: the engine left the group
+            self._group = None
+            raise
+
+    async def _stage_factors(
+        self, update: WeightUpdate, name: str | None, config: dict[str, Any] | None
+    ) -> None:
+        """Receive a LoRA adapter's factors into the open update (the model is untouched: a
+        broadcast that breaks off leaves every adapter as it was)."""
+        current = self._weights.open_update()
+        staged = current.staged
+        param = "update_info.lora_name"
+        try:
+            if name is None or current.received or (staged is not None and staged.name != name):
+                raise WeightsError(
+                    "one update carries the model's weights or one LoRA adapter's factors (the "
+                    "same lora_name in every update_info), not both"
+                )
+            if staged is None:
+                staged = StagedAdapter(name, self._adapters.config_for(name, config, param))
+        except (WeightsError, InvalidRequest) as exc:
+            await self._refuse(exc, param)
+        current.staged = staged
+        staged.tensors.update(await self._receive_factors(update, staged, param))
+        self._weights.extend_deadline()
+
+    async def _receive_factors(
+        self, update: WeightUpdate, staged: StagedAdapter, param: str
+    ) -> dict[str, Any]:
+        """Check, then receive an adapter's factors into new tensors (lock held). A refusal or
+        a broadcast that breaks off closes the group and ends an open update."""
+        try:
+            self._engine().check_adapter_update(staged.config, update.tensors)
+        except WeightsError as exc:
+            await self._refuse(exc, param)
+        try:
+            return await self._engine().receive_tensors(update)
+        except WeightTransferError as exc:
+            self._group = None  # the engine left it
+            if self._weights.update is not None:
+                await self._weights.abandon(f"an update broke off: {exc}")
+            raise InvalidRequest(f"LoRA adapter {staged.name!r} not updated: {exc}", param) from exc
+
+    async def _load_adapter(self, staged: StagedAdapter, version: str | None, param: str) -> None:
+        await self._adapters.load_tensors(
+            staged.name, staged.tensors, config=staged.config, version=version, param=param
+        )
+
+    async def _refuse(self, exc: Exception, param: str) -> NoReturn:
+        """The trainer is broadcasting what this server will not take: the group cannot carry
+        on in step, so it is closed, and an open update ends (whole, unless earlier tensors of
+        it are in already)."""
+        if self._weights.update is not None:
+            await self._weights.abandon("an update was refused after some of its tensors came")
+        await self._leave()
+        message = exc.message if isinstance(exc, InvalidRequest) else str(exc)
+        raise InvalidRequest(
+            f"weights not updated (nothing received; the group is closed, init again): {message}",
+            param,
+        ) from exc
+
+    # -- SGLang's one-call forms --------------------------------------------------------------
+
+    async def update_from_distributed(self, body: UpdateWeightsFromDistributedBody) -> None:
+        """SGLang's ``/update_weights_from_distributed``: receive and load at once (SGLang loads
+        the tensors it names; others keep their values), generation paused meanwhile; with
+        ``lora_name``, an adapter's factors, loaded in place while generation goes on."""
+        if body.names is not None:
+            if body.dtypes is None or body.shapes is None:
+                raise InvalidRequest("names needs dtypes and shapes of the same length", "names")
+            if not len(body.names) == len(body.dtypes) == len(body.shapes):
+                raise InvalidRequest("names, dtypes and shapes must have the same length", "names")
+            metas = _metas(body.names, body.dtypes, body.shapes)
+        elif body.name is not None and body.dtype is not None and body.shape is not None:
+            metas = _metas([body.name], [body.dtype], [body.shape])
+        else:
+            raise InvalidRequest(
+                "send names, dtypes and shapes (or one name, dtype and shape)", "names"
+            )
+        if not metas:
+            raise InvalidRequest("names: no tensors to update", "names")
+        if body.abort_all_requests:
+            await self._abort_all()
+        async with self._weights.locked():
+            if self._group is None or self._group.group_name != body.group_name:
+                raise InvalidRequest(
+                    f"no weight-transfer group named {body.group_name!r}: POST "
+                    "/init_weights_update_group first",
+                    "group_name",
+                )
+            if self._weights.update is not None:
+                raise InvalidRequest("a vLLM-style weight update is open; finish it first")
+            update = WeightUpdate(metas)
+            if body.lora_name is not None:
+                # No pause: the factors come into new tensors, and the adapter loads between
+                # steps.
+                param = "lora_name"
+                self._adapters.check_name(body.lora_name)
+                config = self._adapters.config_for(body.lora_name, body.lora_config, param)
+                staged = StagedAdapter(body.lora_name, config)
+                staged.tensors.update(await self._receive_factors(update, staged, param))
+                await self._load_adapter(staged, body.weight_version, param)
+                return
+            await self._weights.begin(on_abandon=self._leave)
+            await self._receive_into_model(update, "names")
+            await self._weights.end(body.weight_version)
+
+    async def update_from_tensor(self, body: UpdateWeightsFromTensorBody) -> None:
+        """SGLang's ``/update_weights_from_tensor`` with safetensors entries (never pickles);
+        with ``lora_name``, an adapter's factors (loaded in place, or new with
+        ``lora_config``)."""
+        tensors = decode_tensors(body.load_format, body.serialized_named_tensors[0])
+        self._engine()
+        if body.abort_all_requests:
+            await self._abort_all()
+        if body.lora_name is not None:
+            await self._adapters.load_tensors(
+                body.lora_name, tensors, config=body.lora_config, version=body.weight_version
+            )
+            return
+        async with self._weights.locked():
+            if self._weights.update is not None:
+                raise InvalidRequest("a vLLM-style weight update is open; finish it first")
+            await self._weights.begin()
+            try:
+                await self._weights.copy(tensors, "serialized_named_tensors")
+            except InvalidRequest:
+                await self._weights.end()
+                raise
+            await self._weights.end(body.weight_version)
+
+    def _require_config(self) -> WeightTransferConfig:
+        if self.config is None:
+            raise InvalidRequest(
+                "Weight transfer not configured: start the server with --weight-transfer-config "
+                '\'{"backend": "gloo"}\' (vLLM\'s flag)',
+                "init_info",
+            )
+        return self.config
+
+
+def _metas(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> tuple[TensorMeta, ...]:
+    metas = []
+    for i, (name, dtype_text, shape) in enumerate(zip(names, dtypes, shapes, strict=True)):
+        dtype = dtype_named(dtype_text)
+        if dtype is None:
+            raise InvalidRequest(f"dtype {dtype_text!r} (tensor {i}, {name}) is not a torch dtype")
+        metas.append(TensorMeta(name, dtype, tuple(shape)))
+    return tuple(metas)
+
+
+def decode_tensors(load_format: str | None, entry: str) -> dict[str, Any]:
+    """One of SGLang's ``serialized_named_tensors`` entries: the base64 of a safetensors file
+    (SGLang's own entries are pickles, which this server never loads: they can run code)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    if load_format != "safetensors":
+        raise InvalidRequest(
+            f"load_format {load_format!r}: SGLang's serialized tensors are pickles, which "
+            'this server never loads (they can run code); send load_format "safetensors" with '
+            "each entry the base64 of a safetensors file",
+            "load_format",
+        )
+    try:
+        raw = base64.b64decode(entry, validate=True)
+        return load(raw)
+    except (binascii.Error, ValueError, SafetensorError) as exc:
+        raise InvalidRequest(
+            f"serialized_named_tensors[0] is not base64 of a safetensors file: {exc}",
+            "serialized_named_tensors",
+        ) from exc
