@@ -4,6 +4,7 @@ back, count_tokens and render, and malformed requests refused with a 400."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import anthropic
@@ -39,6 +40,22 @@ def anthropic_client(fast: FastApp, **kwargs: Any) -> anthropic.Anthropic:
         max_retries=0,
         **kwargs,
     )
+
+
+def named_events(fast: FastApp, path: str, body: dict[str, Any]) -> list[str]:
+    """The event types of a raw named stream (``event: TYPE`` then its ``data:``, whose ``type``
+    matches); checks that it ends with ``data: [DONE]`` as the unnamed streams do."""
+    with fast.client.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        raw = response.read().decode()
+    frames = raw.split("\n\n")
+    assert frames[-2:] == ["data: [DONE]", ""], raw[-200:]
+    types = []
+    for frame in frames[:-2]:
+        event, data = frame.split("\n")
+        types.append(event.removeprefix("event: "))
+        assert json.loads(data.removeprefix("data: "))["type"] == types[-1]
+    return types
 
 
 def script(fast: FastApp, text: str) -> list[int]:
@@ -82,6 +99,13 @@ def test_message_stream_matches_whole(fast_qwen3: FastApp) -> None:
     assert strip == [{k: v for k, v in b.model_dump().items() if k != "id"} for b in whole.content]
     assert final.stop_reason == "tool_use"
     assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_stream_framing_ends_with_done(fast_qwen3: FastApp) -> None:
+    script(fast_qwen3, "Paris is nice.")
+    body = {"model": "qwen3-tiny", "max_tokens": 64, "messages": WEATHER}
+    events = named_events(fast_qwen3, "/v1/messages", body)
+    assert events[0] == "message_start" and events[-1] == "message_stop"
 
 
 def test_text_stop_sequence_and_max_tokens(fast_qwen3: FastApp) -> None:

@@ -14,7 +14,7 @@ import pytest
 from tests.chat_fixtures import TOOLS
 from tests.conftest import API_KEY
 from tests.fast_app import FastApp
-from tests.test_fast_anthropic import IM_END, THINK_AND_CALL, script
+from tests.test_fast_anthropic import IM_END, THINK_AND_CALL, named_events, script
 
 RESPONSES_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
 WEATHER = "What is the weather in Paris?"
@@ -61,6 +61,12 @@ def test_stream_matches_whole(fast_qwen3: FastApp) -> None:
     created = client.responses.create(model="qwen3-tiny", input=WEATHER, stream=True)
     numbers = [event.sequence_number for event in created]
     assert numbers == list(range(len(numbers)))
+
+
+def test_stream_framing_ends_with_done(fast_qwen3: FastApp) -> None:
+    script(fast_qwen3, "Paris is nice.")
+    events = named_events(fast_qwen3, "/v1/responses", {"model": "qwen3-tiny", "input": WEATHER})
+    assert events[0] == "response.created" and events[-1] == "response.completed"
 
 
 def test_function_call_stream_and_incomplete(fast_qwen3: FastApp) -> None:

@@ -185,6 +185,26 @@ def test_alternatives_see_the_same_pending_bytes(qwen: Tokenizer) -> None:
     assert [alt.text for alt in third.top] == [" the", "\ufffd"]
 
 
+@pytest.mark.parametrize("fallback", [False, True], ids=["exact", "fallback"])
+def test_rows_wider_than_a_byte(name: str, tokenizer: Tokenizer, fallback: bool) -> None:
+    """300 alternatives per position (``--max-logprobs -1`` allows the vocabulary): each gets
+    the text it adds at its own position, after the pending bytes of a split character."""
+    decoder = fallback_decoder(name) if fallback else TokenTextDecoder(tokenizer)
+    raw = decoder.table.raw
+    others = [i for i in range(1000, 3000) if raw[i].isascii()][:299]
+    ids = tokenizer.encode("龘龘 x", add_special_tokens=False)
+    entries = [(t, -0.5, [(t, -0.5), *((o, -1.0 - j) for j, o in enumerate(others))]) for t in ids]
+    resolved, _ = decoder.resolved(LogprobInput.from_entries(entries))
+    texts = [r.text for r in resolved]
+    check_exact(tokenizer, ids, texts)
+    for position, entry in enumerate(resolved):
+        before = "".join(texts[:position])
+        assert len(entry.top) == 300
+        for alt in entry.top[1:]:  # ASCII: it ends any pending character
+            full = tokenizer.decode([*ids[:position], alt.token_id], skip_special_tokens=False)
+            assert full == before + alt.text
+
+
 def test_prompt_tail_repairs_first_output_tokens(qwen: Tokenizer) -> None:
     prompt = [*qwen.encode("Say it: ", add_special_tokens=False), 9284]  # 🫠 starts in the prompt
     ids = [104, 254, *qwen.encode(" done", add_special_tokens=False)]
@@ -249,7 +269,7 @@ def json_entries(width: int | str, ids: list[int]) -> list[tuple]:
     return entries
 
 
-JSON_SHAPES = [0, 1, 5, "ragged", "equal texts"]
+JSON_SHAPES = [0, 1, 5, 300, "ragged", "equal texts"]
 JSON_TEXT = 'Hi 龘🦩🫠 "quoted" \\ done'
 
 

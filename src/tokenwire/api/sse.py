@@ -19,11 +19,12 @@ logger = logging.getLogger("tokenwire.api")
 async def sse_frames(
     chunks: AsyncIterator[dict[str, Any]], *, named: bool = False
 ) -> AsyncIterator[bytes]:
-    """``data: {json}`` per chunk, an error event if the stream fails, always ``[DONE]``.
+    """``data: {json}`` per chunk, an error event if the stream fails, then ``[DONE]``.
 
     ``named``: the form of Anthropic's and OpenAI Responses' streams, whose chunks carry their
-    event's ``type``: ``event: TYPE`` before each ``data:``, an error as ``event: error`` with
-    ``{"type": "error", "error": {...}}``, and no ``[DONE]``.
+    event's ``type``: ``event: TYPE`` before each ``data:``. A named stream that completes ends
+    with the same ``data: [DONE]`` (their SDKs skip it); one that fails ends at its
+    ``event: error`` with ``{"type": "error", "error": {...}}``, with no ``[DONE]`` after it.
 
     Closing it closes ``chunks`` (and so the job's engine requests), as ``SSEResponse`` does
     when the client goes away between two chunks.

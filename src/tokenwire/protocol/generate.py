@@ -30,24 +30,6 @@ MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids (its sampler's 
 # A teacher-scoring target: a token id, or -1 padding a short row (scored -inf, as vLLM).
 TargetId = Annotated[int, Field(ge=-1, le=INT64_MAX)]
 
-# vLLM SamplingParams fields that tokenwire accepts and ignores: they change no token ids.
-NO_EFFECT_FIELDS = frozenset(
-    {
-        "skip_special_tokens",  # text only (derender, OpenAI routes); generate returns ids
-        "spaces_between_special_tokens",  # text only
-        "include_stop_str_in_output",  # text only; the stop token is always in token_ids
-        "output_kind",  # streams are always deltas, a whole answer always every choice's output
-        "flat_logprobs",  # a vLLM-internal container choice
-        "routed_experts_prompt_start",  # MoE routing capture; the hf engine has no experts
-        "return_routed_experts",
-        "skip_reading_prefix_cache",  # no prefix cache in the hf engine
-        "extra_args",  # custom logits processors' arguments; none are installed
-        "truncate_prompt_tokens",
-        "best_of",
-        "repetition_detection",
-        "thinking_token_budget",
-    }
-)
 # Fields that would change the tokens but that tokenwire does not implement: refused, not
 # silently ignored, when set to anything but their "off" value.
 UNSUPPORTED_FIELDS = (
@@ -83,7 +65,9 @@ class SamplingParamsModel(StrictRequestModel):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     detokenize: bool = True
-    # Accepted for compatibility; see NO_EFFECT_FIELDS.
+    # Accepted for compatibility, down to thinking_token_budget: none changes the token ids
+    # (skip_special_tokens and include_stop_str_in_output shape output_mode's text only).
+    # docs/api.md lists them, with those vLLM would act on.
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False

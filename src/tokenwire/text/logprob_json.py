@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from .token_table import CACHE_LIMIT, DecodeContext, TokenizerLike, TokenTable
-from .token_text import RANKS, LogprobInput, Resolution, TokenTextDecoder, json_logprob
+from .token_text import LogprobInput, Resolution, TokenTextDecoder, json_logprob
 
 __all__ = ["chat_logprobs_json", "chat_logprobs_json_from", "completion_logprobs_from"]
 
@@ -148,8 +148,7 @@ class _JsonFragments:
         for position, piece in resolution.chosen.items():
             parts[position * stride] = custom(chosen_ids[position], piece)
         if rows is not None:
-            for key, piece in resolution.top.items():
-                position, rank = divmod(key, RANKS)
+            for position, rank, piece in resolution.top_items():
                 parts[position * stride + 2 + 2 * rank] = custom(rows[position][rank], piece)
         first, last = parts[0], parts[-1]
         assert first is not None and last is not None
@@ -167,7 +166,7 @@ class _JsonFragments:
         for i, (token_id, logprob) in enumerate(pairs):
             top = [
                 {
-                    "token": resolution.top.get(i * RANKS + rank, text[alt]),
+                    "token": resolution.top_text(i, rank, text[alt]),
                     "logprob": json_logprob(alt_lp),
                     "bytes": list(raw[alt]),
                 }
@@ -295,8 +294,7 @@ def completion_logprobs_from(
             text_rows = list(zip(*[iter(flat)] * width, strict=False))
         else:
             text_rows = [()] * len(rows)
-        for key, piece in resolution.top.items():
-            position, rank = divmod(key, RANKS)
+        for position, rank, piece in resolution.top_items():
             row = list(text_rows[position])
             row[rank] = piece
             text_rows[position] = row

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -41,7 +41,6 @@ from .token_table import (
 
 __all__ = [
     "NON_FINITE_LOGPROB",
-    "RANKS",
     "LogprobEntry",
     "LogprobInput",
     "Resolution",
@@ -54,8 +53,6 @@ __all__ = [
 
 #: Logprob placed in JSON for -inf / NaN (JSON has neither).
 NON_FINITE_LOGPROB = -9999.0
-#: Most alternatives per position (the API allows 20).
-RANKS = 256
 
 _NUMBER_TYPES = {int, float}
 
@@ -121,8 +118,6 @@ class LogprobInput:
         # Ragged rows (rare): compare row by row.
         if not uniform and list(map(len, self.top_ids)) != list(map(len, self.top_logprobs)):
             raise ValueError("each position needs as many top logprobs as top ids")
-        if widths and max(widths) >= RANKS:
-            raise ValueError(f"at most {RANKS - 1} top logprobs per position")
         return (widths.pop() if widths else 0) if len(widths) <= 1 else None
 
     def check_numbers(self) -> None:
@@ -161,16 +156,34 @@ def json_logprob(value: float) -> float:
     return value if math.isfinite(value) else NON_FINITE_LOGPROB
 
 
+def _top_key(position: int, rank: int, positions: int) -> int:
+    """``Resolution.top``'s key: an int keeps the dict out of the garbage collector's way, and
+    rank-major order puts no bound on a row's width (``--max-logprobs -1``: the vocabulary)."""
+    return rank * positions + position
+
+
 class Resolution(NamedTuple):
     """Texts that differ from ``TokenTable.text`` (rare), and the state after the last token.
 
-    ``top`` is keyed ``position * RANKS + rank``: int keys keep the dict out of the garbage
-    collector's way.
+    ``top`` is keyed by ``_top_key``; ``top_text`` and ``top_items`` read it. ``positions``:
+    how many positions were resolved.
     """
 
     chosen: dict[int, str]
     top: dict[int, str]
     context: DecodeContext
+    positions: int
+
+    def top_text(self, position: int, rank: int, default: str) -> str:
+        """The text of the alternative at ``rank`` of ``position``; ``default`` (the table's
+        text) unless it differs."""
+        return self.top.get(_top_key(position, rank, self.positions), default)
+
+    def top_items(self) -> Iterator[tuple[int, int, str]]:
+        """(position, rank, text) of each alternative whose text differs from the table's."""
+        for key, text in self.top.items():
+            rank, position = divmod(key, self.positions)
+            yield position, rank, text
 
 
 class TokenTextDecoder:
@@ -311,13 +324,13 @@ class TokenTextDecoder:
                     if piece is None:
                         piece = cache[key] = feed(prior + raw[token_id], False)[0]
                     if piece != text[token_id]:
-                        top[position * RANKS + rank] = piece
+                        top[_top_key(position, rank, n)] = piece
             if final and n:
                 for rank, token_id in enumerate(top_ids[last]):
                     piece = alternative(last, token_id)
                     if piece is not None:
-                        top[last * RANKS + rank] = piece
-        return Resolution(chosen, top, DecodeContext(pending=pending))
+                        top[_top_key(last, rank, n)] = piece
+        return Resolution(chosen, top, DecodeContext(pending=pending), n)
 
     # -- fallback: decode with context ------------------------------------------------------
 
@@ -355,13 +368,13 @@ class TokenTextDecoder:
                 for rank, alt in enumerate(top_ids[i]):
                     alt_piece = added(window, base, alt, flush)
                     if alt_piece != text[alt]:
-                        top[i * RANKS + rank] = alt_piece
+                        top[_top_key(i, rank, n)] = alt_piece
             if piece or flush:
                 ctx = [*window, token_id][-CONTEXT_TOKENS:]
                 held = []
             else:
                 held.append(token_id)
-        return Resolution(chosen, top, DecodeContext(context=tuple(ctx), held=tuple(held)))
+        return Resolution(chosen, top, DecodeContext(context=tuple(ctx), held=tuple(held)), n)
 
     # -- plain text of a token stream -------------------------------------------------------
 
@@ -426,7 +439,7 @@ class TokenTextDecoder:
                 for rank, (alt, alt_lp) in enumerate(
                     zip(logprobs.top_ids[i], logprobs.top_logprobs[i], strict=True)
                 ):
-                    alt_text = resolution.top.get(i * RANKS + rank, text[alt])
+                    alt_text = resolution.top_text(i, rank, text[alt])
                     top.append(ResolvedToken(alt, alt_text, list(raw[alt]), alt_lp))
             chosen_text = resolution.chosen.get(i, text[token_id])
             out.append(ResolvedLogprob(token_id, chosen_text, list(raw[token_id]), logprob, top))
