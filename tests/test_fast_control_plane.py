@@ -281,3 +281,62 @@ def test_innocent_streams_finish_beside_a_refused_update(fast_control: FastApp) 
         answer = ok(running.result(timeout=10))
     assert answer["choices"][0]["token_ids"] == [5, 6]
     assert weights(app)["state"] == "whole"
+
+
+# -- the trainer's group ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("address", "port", "message"),
+    [
+        ("169.254.169.254", 29500, "metadata addresses are never dialled"),
+        ("fd00:ec2::254", 29500, "metadata addresses are never dialled"),
+        ("::ffff:169.254.169.254", 29500, "metadata addresses are never dialled"),
+        ("8.8.8.8", 29500, "outside the allowed networks"),
+        ("224.0.0.1", 29500, "not a host address"),
+        ("127.0.0.1", 22, "below 1024"),
+    ],
+)
+def test_trainer_addresses_are_checked_before_dialling(
+    fast_control: FastApp, address: str, port: int, message: str
+) -> None:
+    app = fast_control
+    init_info = {**GROUP, "master_address": address, "master_port": port}
+    assert_error(
+        app.client.post("/init_weight_transfer_engine", json={"init_info": init_info}), 400, message
+    )
+    sglang = {**init_info, "backend": "gloo"}
+    assert_error(app.client.post("/init_weights_update_group", json=sglang), 400, message)
+    assert app.engine.group is None  # nothing was dialled
+
+
+def test_the_checked_address_is_the_one_dialled(fast_control: FastApp) -> None:
+    """A name is resolved once: the engine dials the address that was checked."""
+    app = fast_control
+    init_info = {**GROUP, "master_address": "localhost"}
+    ok(app.client.post("/init_weight_transfer_engine", json={"init_info": init_info}))
+    assert app.engine.group is not None
+    assert app.engine.group.master_address in ("127.0.0.1", "::1")
+    assert app.engine.group.group_name is None  # vLLM's bodies: the trainer's default group
+
+
+def test_sglang_style_trainers_as_they_send(fast_control: FastApp) -> None:
+    """AReaL's port as a string; skyrl-train's updates without a group name use the one open
+    group; a new init replaces a group whose trainer is gone (TRL never shuts it down)."""
+    app = fast_control
+    group = {**GROUP, "master_address": "10.1.2.3", "master_port": "29500"}
+    group |= {"group_name": "skyrl", "backend": "gloo"}
+    ok(app.client.post("/init_weights_update_group", json=group))
+    assert app.engine.group is not None and app.engine.group.group_name == "skyrl"
+    name = "model.embed_tokens.weight"
+    body = {"name": name, "dtype": "float32", "shape": list(FAKE_LAYOUT[name])}
+    assert ok(app.client.post("/update_weights_from_distributed", json=body))["success"]
+    assert app.engine.received == [name]
+    elsewhere = {**body, "group_name": "other"}
+    assert_error(
+        app.client.post("/update_weights_from_distributed", json=elsewhere), 400, "'other'"
+    )
+    ok(app.client.post("/init_weight_transfer_engine", json={"init_info": GROUP}))
+    assert app.engine.group is not None and app.engine.group.group_name is None
+    ok(app.client.post("/destroy_weights_update_group", json={}))
+    assert app.engine.group is None

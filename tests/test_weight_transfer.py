@@ -86,7 +86,8 @@ def assert_parity(choice: dict, model_dir: Path, prompt: list[int]) -> None:
 class Trainer:
     """The test itself as rank 0 (what TRL's and SkyRL's trainers do), for a one-server group."""
 
-    def __init__(self, group_name: str = "weight_update_group") -> None:
+    def __init__(self, group_name: str | None = "weight_update_group") -> None:
+        """``group_name`` None: the group as the trainer's default (vLLM's bodies name none)."""
         self.group_name = group_name
         self.port = free_port()
         self.group: Any = None
@@ -178,6 +179,25 @@ def test_a_trainer_process_updates_two_servers(
             client.post("/update_weights", json={"weight_dir": str(base_dir)}).raise_for_status()
 
 
+def test_a_plain_torch_trainer_updates_the_server(
+    rl_server: Server, rl: httpx.Client, base_dir: Path, prompt_ids: list[int], tmp_path: Path
+) -> None:
+    """``init_process_group`` + ``dist.broadcast`` in a trainer process with no tokenwire code
+    (vLLM 0.33's bodies over plain HTTP): the server joins as a member of the trainer's default
+    group, and after the update its logprobs equal a forward of the trained weights."""
+    trained = tmp_path / "trained"
+    command = [sys.executable, "-m", "tests.weight_trainer", "torch", str(base_dir)]
+    command += [str(trained), "torch-1", API_KEY, rl_server.url]
+    trainer = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert "sent" in trainer.stdout, trainer.stderr[-3000:]
+    assert ok(rl.get("/weight_info"))["weight_version"] == "torch-1"
+    choice = greedy(rl, prompt_ids)
+    assert choice["weight_versions"] == [{"version": "torch-1", "start": 0, "end": 8}]
+    assert_parity(choice, trained, prompt_ids)
+    ok(rl.post("/update_weights", json={"weight_dir": str(base_dir)}))
+    assert_parity(greedy(rl, prompt_ids), base_dir, prompt_ids)
+
+
 def test_trl_bodies_packed_and_skyrl_bodies(
     rl_server: Server, rl: httpx.Client, base_dir: Path, prompt_ids: list[int]
 ) -> None:
@@ -189,7 +209,7 @@ def test_trl_bodies_packed_and_skyrl_bodies(
     assert info["vllm_config"]["weight_transfer_config"]["backend"] == "gloo"
     assert ok(rl.get("/get_world_size")) == {"world_size": 1}
     params = base_params(base_dir)
-    trainer = Trainer()
+    trainer = Trainer(None)  # TRL names no group: the server joins as its default group
     init_info = {"master_address": "127.0.0.1", "master_port": trainer.port, "rank_offset": 1}
     init_info |= {"world_size": 2, "packed": True, "packed_buffer_size_bytes": 50_000_000}
     answer = trainer.join(
@@ -293,7 +313,7 @@ def test_a_trainer_killed_mid_broadcast_then_a_complete_update(
     assert_error(rl.post("/resume"), 400, "not whole")
     # a complete update, by a new trainer
     params = base_params(base_dir)
-    trainer_rank = Trainer()
+    trainer_rank = Trainer(None)
     init_info = {"master_address": "127.0.0.1", "master_port": trainer_rank.port}
     init_info |= {"rank_offset": 1, "world_size": 2}
     ok(
@@ -333,11 +353,9 @@ def test_refusals(
     lengths = {**names, "shapes": []}
     assert_error(rl.post("/update_weights", json={"update_info": lengths}), 400, "`shapes` should")
 
-    trainer = Trainer()
+    trainer = Trainer(None)
     init_info = {**nccl, "master_port": trainer.port}
     ok(trainer.join(lambda: rl.post("/init_weight_transfer_engine", json={"init_info": init_info})))
-    again = rl.post("/init_weight_transfer_engine", json={"init_info": init_info})
-    assert_error(again, 400, "already open")
     assert_error(
         rl.post("/update_weights", json={"update_info": names}), 400, "start_weight_update"
     )
@@ -352,7 +370,7 @@ def test_refusals(
     trainer.leave()
 
     # A finish with weights missing: generation waits for a checkpoint reload.
-    trainer = Trainer()
+    trainer = Trainer(None)
     init_info = {**nccl, "master_port": trainer.port}
     ok(trainer.join(lambda: rl.post("/init_weight_transfer_engine", json={"init_info": init_info})))
     ok(rl.post("/start_weight_update"))

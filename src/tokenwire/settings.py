@@ -185,6 +185,12 @@ class Settings:
         help='vLLM\'s \'{"backend": "gloo"}\' (with --enable-rl-control): receive weights '
         "from the trainer's process group; tokenwire's \"timeout_s\" bounds each wait (300)",
     )
+    weight_transfer_allowed_hosts: tuple[str, ...] | None = flag(
+        None,
+        many=True,
+        help="networks (10.1.0.0/16) and host names a weight-transfer init may dial, beside "
+        "loopback (default: the private ranges; link-local and metadata addresses never)",
+    )
     engine: EngineKind = flag(
         "hf",
         choices=ENGINE_KINDS,

@@ -3,16 +3,23 @@ the trainer's sender (``client``), so both ends build the same group and cut the
 
 The group is a ``torch.distributed`` process group that the trainer (rank 0) and the servers
 join over ``tcp://master_address:master_port``: the trainer hosts the rendezvous store and each
-server sits at its ``rank_offset``. It is built the way SGLang's and OpenRLHF's trainers build
-their extra groups (``init_custom_process_group``: the store's keys under ``group_name/``), so
-an SGLang-style trainer can join it too. For each tensor of an update, in order, rank 0
-broadcasts once; ``packed`` updates broadcast vLLM's packed chunks instead (``packed_chunks``).
+server sits at its ``rank_offset``. Both ends must key the store as the trainer formed the
+group, in one of two ways (``join_group``'s ``group_name``):
+- named: as SGLang's ``init_custom_process_group`` builds a second group beside a trainer's own
+  (OpenRLHF, verl, skyrl-train, AReaL and tokenwire's ``WeightSender`` do): the store's keys
+  under ``<group_name>/``, the group called ``group_name``;
+- unnamed: a plain trainer's ``torch.distributed.init_process_group``, the trainer's default
+  group: keys under ``default_pg/``, the group called ``"0"`` (torch names a process's first
+  group so).
+For each tensor of an update, in order, rank 0 broadcasts once; ``packed`` updates broadcast
+vLLM's packed chunks instead (``packed_chunks``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,8 +31,11 @@ if TYPE_CHECKING:  # torch is imported by the calls that need it: the API layer 
 # vLLM's defaults (``vllm.distributed.weight_transfer.packed_tensor``).
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024 * 1024 * 1024
 DEFAULT_PACKED_NUM_BUFFERS = 2
-# SGLang's default ``group_name``; vLLM's routes name no group.
+# SGLang's default ``group_name``; vLLM's routes name none (a plain trainer's default group).
 DEFAULT_GROUP_NAME = "weight_update_group"
+# How torch's ``init_process_group`` keys and names a process's default group.
+_DEFAULT_PG_PREFIX = "default_pg"
+_DEFAULT_PG_NAME = "0"
 
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -142,14 +152,17 @@ def join_group(
     rank: int,
     world_size: int,
     backend: str,
-    group_name: str,
+    group_name: str | None,
     timeout_s: float,
 ) -> Any:
-    """Join (rank 0: host) the weight-transfer group; blocks until every rank has joined or
-    ``timeout_s`` passed. Each collective of the group fails after ``timeout_s`` too, so a
-    trainer that stalls mid-broadcast cannot hold a receiver forever."""
+    """Join (rank 0: host) the weight-transfer group, named (SGLang's form) or the trainer's
+    default group (``group_name`` None); blocks until every rank has joined or ``timeout_s``
+    passed. Each collective of the group fails after ``timeout_s`` too, so a trainer that
+    stalls mid-broadcast cannot hold a receiver forever."""
     # torch builds its own process groups this way; there is no public call that makes a
-    # second, independent group with its own store (the default group is the trainer's).
+    # second, independent group with its own store (a server's process has its own default
+    # group, or none).
+    from torch.distributed import PrefixStore
     from torch.distributed.distributed_c10d import (
         Backend,
         _new_process_group_helper,
@@ -158,14 +171,46 @@ def join_group(
     )
 
     timeout = timedelta(seconds=timeout_s)
+    deadline = time.monotonic() + timeout_s
     url = f"tcp://{master_address}:{master_port}"
-    store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    group, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout
+    prefix, name = (
+        (_DEFAULT_PG_PREFIX, _DEFAULT_PG_NAME) if group_name is None else (group_name, group_name)
     )
+    try:
+        store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
+        # The whole join within timeout_s; the group's collectives get timeout_s each.
+        store.set_timeout(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        group, _ = _new_process_group_helper(
+            world_size,
+            rank,
+            [],
+            Backend(backend),
+            PrefixStore(prefix, store),
+            group_name=name,
+            timeout=timeout,
+        )
+    except Exception as exc:
+        # Never the far end's words: its bytes (or this process's id) must not reach a client.
+        raise GroupJoinError(
+            f"no group formed with tcp://{master_address}:{master_port} within "
+            f"{timeout_s:g} s ({_join_failure(exc)})"
+        ) from None
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+class GroupJoinError(RuntimeError):
+    """The group did not form; the message holds nothing the far end sent."""
+
+
+def _join_failure(exc: Exception) -> str:
+    """What went wrong, in this module's words."""
+    text = str(exc).lower()
+    if isinstance(exc, ConnectionRefusedError) or "refused" in text:
+        return "connection refused"
+    if isinstance(exc, TimeoutError) or "timeout" in text or "timed out" in text:
+        return "timed out waiting for every rank"
+    return "the far end is not a torch.distributed rendezvous of this group"
 
 
 def leave_group(group: Any) -> None:

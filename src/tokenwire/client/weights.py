@@ -94,6 +94,7 @@ class WeightSender:
                     "master_port": self.master_port,
                     "rank_offset": rank,
                     "world_size": world_size,
+                    "group_name": DEFAULT_GROUP_NAME,  # tokenwire's field: the form below
                     "packed": self.packed,
                     "packed_buffer_size_bytes": self.buffer_size_bytes,
                     "packed_num_buffers": DEFAULT_PACKED_NUM_BUFFERS,
@@ -108,7 +109,7 @@ class WeightSender:
             rank=0,
             world_size=world_size,
             backend=self.backend,
-            group_name=DEFAULT_GROUP_NAME,  # vLLM's routes name no group: the servers' name
+            group_name=DEFAULT_GROUP_NAME,  # SGLang's form, beside the trainer's own group
             timeout_s=self.timeout_s,
         )
         # A server that refused never joins: give up then, not after the rendezvous timeout.

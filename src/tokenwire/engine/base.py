@@ -159,7 +159,7 @@ class WeightGroup:
     rank: int
     world_size: int
     backend: str
-    group_name: str
+    group_name: str | None  # None: the trainer's default group (``weight_transfer``)
     timeout_s: float
 
 

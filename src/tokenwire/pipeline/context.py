@@ -13,6 +13,7 @@ from tokenwire.engine.base import Engine
 from tokenwire.media.service import MediaService
 from tokenwire.parsers import ReasoningParser, ToolParser, get_reasoning_parser, get_tool_parser
 from tokenwire.pipeline.control import ControlPlane
+from tokenwire.pipeline.control.trainer_address import TrainerAddressPolicy
 from tokenwire.pipeline.errors import NotReady, UnknownModel
 from tokenwire.pipeline.jobs import JobRegistry
 from tokenwire.pipeline.session_store import SessionStore
@@ -41,6 +42,8 @@ class ServingConfig:
     incremental_streaming_output: bool
     # --weight-transfer-config; None: vLLM's weight-transfer routes are refused.
     weight_transfer: WeightTransferConfig | None = None
+    # --weight-transfer-allowed-hosts: the trainer addresses an init may dial.
+    trainer_addresses: TrainerAddressPolicy = field(default_factory=TrainerAddressPolicy)
     max_loras: int = 0  # LoRA adapter versions resident at once; 0: LoRA off
     max_lora_rank: int = 0
 
@@ -64,6 +67,9 @@ class ServingConfig:
             max_held_requests=settings.max_held_requests,
             incremental_streaming_output=settings.incremental_streaming_output,
             weight_transfer=settings.weight_transfer_config,
+            trainer_addresses=TrainerAddressPolicy.from_flag(
+                settings.weight_transfer_allowed_hosts
+            ),
             max_loras=settings.max_loras if settings.enable_lora else 0,
             max_lora_rank=settings.max_lora_rank,
         )
@@ -112,6 +118,7 @@ class Pipeline:
             lambda: self.ready().engine,
             self.jobs,
             weight_transfer=config.weight_transfer,
+            trainer_addresses=config.trainer_addresses,
             max_held_requests=config.max_held_requests,
             max_loras=config.max_loras,
             base_model_names=config.model_names,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from tokenwire.protocol.common import INT64_MAX, Int64, RequestModel, StrictRequestModel
 from tokenwire.weight_transfer import (
@@ -43,6 +43,15 @@ class UpdateWeightVersionBody(RequestModel):
 
 
 Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+def _port_number(value: Any) -> Any:
+    """SGLang takes a port as a string of digits (AReaL sends ``str(port)``)."""
+    return int(value) if isinstance(value, str) and value.isascii() and value.isdigit() else value
+
+
+# A port from an SGLang-style body: an int, or its digits.
+LenientPort = Annotated[Port, BeforeValidator(_port_number)]
 PositiveInt = Annotated[int, Field(ge=1, le=INT64_MAX)]
 Dim = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
@@ -56,6 +65,9 @@ class TransferInitInfo(StrictRequestModel):
     master_port: Port | None = None
     rank_offset: PositiveInt
     world_size: Annotated[int, Field(ge=2, le=65536)]
+    # tokenwire's: the trainer made its group as SGLang's init_custom_process_group does, under
+    # this name (tokenwire's WeightSender); None: with torch's init_process_group.
+    group_name: str | None = Field(default=None, min_length=1, max_length=256)
     nccl_unique_id_b64: str | None = None
     packed: bool = False
     packed_buffer_size_bytes: PositiveInt = DEFAULT_PACKED_BUFFER_SIZE_BYTES
@@ -126,7 +138,7 @@ class InitWeightsUpdateGroupBody(RequestModel):
     """SGLang's ``/init_weights_update_group``."""
 
     master_address: str = Field(min_length=1, max_length=255)
-    master_port: Port
+    master_port: LenientPort
     rank_offset: PositiveInt
     world_size: Annotated[int, Field(ge=2, le=65536)]
     group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1, max_length=256)
@@ -143,7 +155,8 @@ class UpdateWeightsFromDistributedBody(RequestModel):
     name: str | None = None
     dtype: str | None = None
     shape: list[Dim] | None = None
-    group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1, max_length=256)
+    # None: the one open group (SGLang keeps one and uses it; skyrl-train names none).
+    group_name: str | None = Field(default=None, min_length=1, max_length=256)
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = Field(default=None, min_length=1, max_length=256)
@@ -153,7 +166,7 @@ class UpdateWeightsFromDistributedBody(RequestModel):
 
 
 class DestroyWeightsUpdateGroupBody(RequestModel):
-    group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1, max_length=256)
+    group_name: str | None = Field(default=None, min_length=1, max_length=256)  # None: the open one
 
 
 class UpdateWeightsFromTensorBody(RequestModel):

@@ -190,7 +190,7 @@ async def update_weights_from_distributed(
 async def destroy_weights_update_group(
     request: Request, body: DestroyWeightsUpdateGroupBody | None = None
 ) -> Response:
-    group_name = DestroyWeightsUpdateGroupBody().group_name if body is None else body.group_name
+    group_name = None if body is None else body.group_name
     await pipeline_of(request).control.transfer.shutdown(group_name)
     return OrjsonResponse(
         {"success": True, "message": "Succeeded to destroy custom process group."}

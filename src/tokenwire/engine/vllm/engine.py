@@ -348,9 +348,11 @@ class VLLMEngine:
     async def join_weight_group(self, group: WeightGroup) -> None:
         self._require_running()
         try:
-            await self._rpc("tokenwire_join_group", spec=dataclasses.asdict(group))
-        except Exception as exc:  # refused, timed out, a rank missing
-            raise WeightTransferError(f"could not join the trainer's group: {exc}") from exc
+            failure = await self._rpc("tokenwire_join_group", spec=dataclasses.asdict(group))
+        except Exception as exc:  # the worker itself failed: say no more than that
+            raise WeightTransferError("could not join the trainer's group") from exc
+        if failure is not None:  # refused, timed out, a rank missing
+            raise WeightTransferError(f"could not join the trainer's group: {failure}")
 
     async def leave_weight_group(self) -> None:
         self._waiting.clear()

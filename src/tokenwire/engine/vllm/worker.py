@@ -116,13 +116,19 @@ class TokenwireWorkerExtension:
         self._tokenwire_staged = {}
         return {"device": str(self.device.type), "tied_head": twin}
 
-    def tokenwire_join_group(self, spec: dict[str, Any]) -> None:
-        """Join the trainer's group: ``spec`` is ``join_group``'s keywords (a ``WeightGroup``)."""
-        from tokenwire.weight_transfer import join_group
+    def tokenwire_join_group(self, spec: dict[str, Any]) -> str | None:
+        """Join the trainer's group: ``spec`` is ``join_group``'s keywords (a ``WeightGroup``).
+        Returns why it did not form (None: it did), in ``join_group``'s words only: vLLM's RPC
+        error would carry this process's details to the client."""
+        from tokenwire.weight_transfer import GroupJoinError, join_group
 
         if self._tokenwire_group is not None:
-            raise RuntimeError("a weight-transfer group is already open")
-        self._tokenwire_group = join_group(**spec)
+            return "a weight-transfer group is already open"
+        try:
+            self._tokenwire_group = join_group(**spec)
+        except GroupJoinError as exc:
+            return str(exc)
+        return None
 
     def tokenwire_leave_group(self) -> None:
         """Leave the group; tensors received over it and still waiting are dropped."""

@@ -24,6 +24,7 @@ from typing import Any
 from tokenwire.engine.base import Engine
 from tokenwire.pipeline.control.adapters import AdapterRegistry
 from tokenwire.pipeline.control.gate import VLLM_MEMORY_TAGS, Gate
+from tokenwire.pipeline.control.trainer_address import TrainerAddressPolicy
 from tokenwire.pipeline.control.transfer import WeightTransfer
 from tokenwire.pipeline.control.weights import WeightLifecycle
 from tokenwire.pipeline.errors import InvalidRequest, NotReady
@@ -43,6 +44,7 @@ class ControlPlane:
         jobs: JobRegistry,
         *,
         weight_transfer: WeightTransferConfig | None,
+        trainer_addresses: TrainerAddressPolicy,
         max_held_requests: int,
         max_loras: int,
         base_model_names: tuple[str, ...],
@@ -61,7 +63,7 @@ class ControlPlane:
         deadline_s = (weight_transfer or WeightTransferConfig()).timeout_s
         self.weights = WeightLifecycle(engine, self.gate, deadline_s=deadline_s)
         self.transfer = WeightTransfer(
-            weight_transfer, engine, self.weights, self.adapters, self.abort
+            weight_transfer, trainer_addresses, engine, self.weights, self.adapters, self.abort
         )
 
     # -- admission ----------------------------------------------------------------------------

@@ -14,8 +14,10 @@ The group is this object's; it changes only under the weight lifecycle's lock.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -29,6 +31,7 @@ from tokenwire.engine.base import (
     WeightUpdate,
 )
 from tokenwire.pipeline.control.adapters import AdapterRegistry
+from tokenwire.pipeline.control.trainer_address import TrainerAddressPolicy
 from tokenwire.pipeline.control.weights import WeightLifecycle
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.protocol.control import (
@@ -39,7 +42,6 @@ from tokenwire.protocol.control import (
     UpdateWeightsFromTensorBody,
 )
 from tokenwire.weight_transfer import (
-    DEFAULT_GROUP_NAME,
     TensorMeta,
     WeightTransferConfig,
     dtype_named,
@@ -50,7 +52,7 @@ from tokenwire.weight_transfer import (
 class TransferGroup:
     """The open weight-transfer group, as ``init_info`` set it up."""
 
-    group_name: str
+    group_name: str | None  # None: the trainer's default group (``weight_transfer``)
     packed: bool
     buffer_size_bytes: int
 
@@ -70,12 +72,14 @@ class WeightTransfer:
     def __init__(
         self,
         config: WeightTransferConfig | None,
+        addresses: TrainerAddressPolicy,
         engine: Callable[[], Engine],
         weights: WeightLifecycle,
         adapters: AdapterRegistry,
         abort_all: Callable[[], Awaitable[int]],
     ) -> None:
         self.config = config  # None: vLLM's weight-transfer routes are refused
+        self._addresses = addresses
         self._engine = engine
         self._weights = weights
         self._adapters = adapters
@@ -114,10 +118,10 @@ class WeightTransfer:
                 rank=info.rank_offset,
                 world_size=info.world_size,
                 backend=config.backend,
-                group_name=DEFAULT_GROUP_NAME,
+                group_name=info.group_name,
                 timeout_s=config.timeout_s,
             ),
-            TransferGroup(DEFAULT_GROUP_NAME, info.packed, info.packed_buffer_size_bytes),
+            TransferGroup(info.group_name, info.packed, info.packed_buffer_size_bytes),
             "init_info",
         )
 
@@ -147,13 +151,18 @@ class WeightTransfer:
                 f"work here: {working}",
                 param,
             )
+        # Checked before anything is dialled; the checked address is the one dialled.
+        address = await asyncio.to_thread(
+            self._addresses.resolve, spec.master_address, spec.master_port
+        )
+        spec = dataclasses.replace(spec, master_address=address)
         async with self._weights.locked():
-            if self._group is not None:
+            if self._weights.update is not None:
                 raise InvalidRequest(
-                    "a weight-transfer group is already open; shut it down first "
-                    "(/shutdown_weight_transfer_engine or /destroy_weights_update_group)",
-                    param,
+                    "a weight update is open over the current group; finish it first", param
                 )
+            # As vLLM: a new init replaces the group (its trainer restarted, say).
+            await self._leave()
             try:
                 await engine.join_weight_group(spec)
             except (EngineError, WeightTransferError) as exc:
@@ -166,11 +175,14 @@ class WeightTransfer:
         async with self._weights.locked():
             if self._weights.update is not None:
                 raise InvalidRequest("Cannot release a trainer connection during a weight update")
-            if group_name is not None and (
-                self._group is None or self._group.group_name != group_name
-            ):
+            if group_name is not None and not self._is_open(group_name):
                 raise InvalidRequest(f"no weight-transfer group named {group_name!r}", "group_name")
             await self._leave()  # nothing to leave is fine (vLLM's shutdown is a no-op then)
+
+    def _is_open(self, group_name: str | None) -> bool:
+        """Whether ``group_name`` names the open group (None: any open group does)."""
+        group = self._group
+        return group is not None and group_name in (None, group.group_name)
 
     async def _leave(self) -> None:
         """Close the group (the caller holds the lock)."""
@@ -330,10 +342,11 @@ class WeightTransfer:
         if body.abort_all_requests:
             await self._abort_all()
         async with self._weights.locked():
-            if self._group is None or self._group.group_name != body.group_name:
+            if not self._is_open(body.group_name):
+                named = "" if body.group_name is None else f" named {body.group_name!r}"
                 raise InvalidRequest(
-                    f"no weight-transfer group named {body.group_name!r}: POST "
-                    "/init_weights_update_group first",
+                    f"no weight-transfer group{named} is open: POST /init_weights_update_group "
+                    "first",
                     "group_name",
                 )
             if self._weights.update is not None:
