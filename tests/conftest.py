@@ -332,10 +332,11 @@ def fast_qwen3_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastApp
     yield from serve_fast(tmp_path_factory, QWEN3_SERVER_ARGS, API_KEY)
 
 
-# The control plane's app: LoRA on with two slots, and an open weight update abandoned after
-# one second without a call of it.
+# The control plane's app: LoRA on with two slots, an open weight update abandoned after one
+# second without a call of it, processed logprobs unless a request asks (TRL's vllm-serve).
 FAST_CONTROL_ARGS = [
     *("--enable-rl-control", "--enable-lora", "--max-loras", "2"),
+    *("--logprobs-mode", "processed_logprobs"),
     *("--weight-transfer-config", '{"backend": "gloo", "timeout_s": 1}'),
 ]
 

@@ -340,3 +340,39 @@ def test_sglang_style_trainers_as_they_send(fast_control: FastApp) -> None:
     assert app.engine.group is not None and app.engine.group.group_name is None
     ok(app.client.post("/destroy_weights_update_group", json={}))
     assert app.engine.group is None
+
+
+def test_the_servers_logprobs_mode_unless_a_request_names_one(fast_control: FastApp) -> None:
+    """TRL's vllm-serve starts vLLM with --logprobs-mode processed_logprobs and sends no mode."""
+    app = fast_control
+    info = ok(app.client.get("/server_info", params={"config_format": "json"}))
+    assert info["vllm_config"]["model_config"]["logprobs_mode"] == "processed_logprobs"
+    sampling = {"max_tokens": 2, "temperature": 0.7, "logprobs": 1}
+    ok(
+        app.client.post(
+            "/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": sampling}
+        )
+    )
+    raw = {**sampling, "logprobs_mode": "raw_logprobs"}
+    ok(
+        app.client.post(
+            "/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": raw}
+        )
+    )
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True}
+    ok(app.client.post("/v1/chat/completions", json=chat))
+    modes = [call.sampling.logprobs_mode for call in app.engine.calls]
+    assert modes == ["processed_logprobs", "raw_logprobs", "processed_logprobs"]
+
+
+def test_areals_wake_up_in_two_steps(fast_control: FastApp) -> None:
+    """AReaL: release everything, then resume ``weights``, then ``kv_cache``."""
+    app = fast_control
+    ok(app.client.post("/release_memory_occupation", json={}))
+    assert ok(app.client.get("/is_sleeping"))["is_sleeping"] is True
+    assert_error(generate(app), 503, "sleeping")
+    ok(app.client.post("/resume_memory_occupation", json={"tags": ["weights"]}))
+    assert ok(app.client.get("/is_sleeping"))["is_sleeping"] is True
+    ok(app.client.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}))
+    assert ok(app.client.get("/is_sleeping"))["is_sleeping"] is False
+    ok(generate(app))

@@ -13,6 +13,7 @@ from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tokenwire.engine.base import LOGPROBS_MODES, LogprobsMode
 from tokenwire.engine.defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_PREFIX_CACHE_BYTES
 from tokenwire.engine.factory import ENGINE_KINDS, EngineKind
 from tokenwire.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
@@ -195,6 +196,13 @@ class Settings:
         "hf",
         choices=ENGINE_KINDS,
         help="hf (transformers, CPU/CUDA) or vllm (vLLM's AsyncLLM; other vLLM flags pass through)",
+    )
+    logprobs_mode: LogprobsMode = flag(
+        "raw_logprobs",
+        choices=LOGPROBS_MODES,
+        help="the logprobs a request gets unless it names a mode (vLLM's flag; TRL's vllm-serve "
+        "starts vLLM with processed_logprobs): the model's raw distribution, or the one "
+        "sampled from after temperature, penalties and top-k/p/min-p",
     )
     dtype: str = flag(
         "auto",

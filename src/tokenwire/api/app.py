@@ -179,6 +179,7 @@ async def _load_runtime(
                 max_num_batched_tokens=settings.max_num_batched_tokens,
                 engine_threads=settings.engine_threads,
                 allow_nonfinite_weights=settings.allow_nonfinite_weights,
+                logprobs_mode=settings.logprobs_mode,
             )
         await engine.start()
     except asyncio.CancelledError:

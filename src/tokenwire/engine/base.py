@@ -27,6 +27,10 @@ PauseMode = Literal["abort", "wait", "keep"]
 DEFAULT_WEIGHT_VERSION = "default"
 # Below this temperature a request samples greedily (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
+# vLLM's logprob modes: the model's raw distribution, or the one sampled from (after
+# temperature, penalties and top-k/p/min-p).
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
+LOGPROBS_MODES: tuple[LogprobsMode, ...] = ("raw_logprobs", "processed_logprobs")
 # Request features an engine may lack; the pipeline refuses a request that needs one its engine
 # does not list in ``Engine.features`` (a 400 naming the field) before the engine sees it.
 EngineFeature = Literal["prompt_token_id_logprobs", "logprob_token_ids", "sampling_mask", "lora"]
@@ -50,7 +54,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token + top k
     prompt_logprobs: int | None = None
-    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    logprobs_mode: LogprobsMode = "raw_logprobs"
     # Teacher scoring: row i holds the ids whose raw logprobs predict prompt token
     # ``prompt_logprob_start + i + 1``; rows are padded to one width with -1 (scored -inf).
     prompt_logprob_token_ids: tuple[tuple[int, ...], ...] | None = None

@@ -29,6 +29,7 @@ def create_engine(
     max_num_batched_tokens: int | None = None,
     engine_threads: int | None = None,
     allow_nonfinite_weights: bool = False,
+    logprobs_mode: str = "raw_logprobs",
 ) -> Engine:
     """An unstarted engine of ``kind``; ``extra_args`` are vLLM engine flags (vllm only).
 
@@ -36,7 +37,8 @@ def create_engine(
     vLLM sizes its own (``--enable-prefix-caching`` and its KV cache flags).
     ``max_logprobs`` is ``--max-logprobs``, which vLLM's engine checks again itself (the hf
     engine serves any count the pipeline admits). ``allow_nonfinite_weights`` lets a
-    checkpoint reload hold NaN or infinity.
+    checkpoint reload hold NaN or infinity. ``logprobs_mode`` is what vLLM's engine returns
+    (``--logprobs-mode``; the hf engine serves either, per request).
     ``max_loras`` > 0 serves LoRA adapters (vLLM's ``--max-loras``; 0: LoRA off).
     ``max_num_batched_tokens`` is ``--max-num-batched-tokens`` (None: the engine's default);
     ``engine_threads`` the hf engine's torch threads (None: ``default_engine_threads()``).
@@ -57,6 +59,7 @@ def create_engine(
             max_lora_rank=max_lora_rank,
             max_num_batched_tokens=max_num_batched_tokens,
             allow_nonfinite_weights=allow_nonfinite_weights,
+            logprobs_mode=logprobs_mode,
         )
     if extra_args:
         raise ValueError(f"engine arguments {list(extra_args)} need --engine vllm")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenwire.engine.base import Engine
+from tokenwire.engine.base import Engine, LogprobsMode
 from tokenwire.media.service import MediaService
 from tokenwire.parsers import ReasoningParser, ToolParser, get_reasoning_parser, get_tool_parser
 from tokenwire.pipeline.control import ControlPlane
@@ -44,6 +44,8 @@ class ServingConfig:
     weight_transfer: WeightTransferConfig | None = None
     # --weight-transfer-allowed-hosts: the trainer addresses an init may dial.
     trainer_addresses: TrainerAddressPolicy = field(default_factory=TrainerAddressPolicy)
+    # --logprobs-mode: what a request that names no mode gets.
+    logprobs_mode: LogprobsMode = "raw_logprobs"
     max_loras: int = 0  # LoRA adapter versions resident at once; 0: LoRA off
     max_lora_rank: int = 0
 
@@ -70,6 +72,7 @@ class ServingConfig:
             trainer_addresses=TrainerAddressPolicy.from_flag(
                 settings.weight_transfer_allowed_hosts
             ),
+            logprobs_mode=settings.logprobs_mode,
             max_loras=settings.max_loras if settings.enable_lora else 0,
             max_lora_rank=settings.max_lora_rank,
         )

@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from tokenwire.engine.base import SamplingParams, SamplingSupport
+from tokenwire.engine.base import LogprobsMode, SamplingParams, SamplingSupport
 from tokenwire.pipeline.choice import Choice, ChoiceDelta, ChoiceRequest, engine_request_id
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.decoder import PLAIN, ChoiceDecoder, ChoiceStep, DecodeOptions, Parsing
@@ -54,7 +54,12 @@ def start_job(
             request = ChoiceRequest(
                 engine_request_id(request_id),
                 prompt.token_ids,
-                engine_sampling(params, sample, sampling_mask=prompt.sampling_mask),
+                engine_sampling(
+                    params,
+                    sample,
+                    sampling_mask=prompt.sampling_mask,
+                    logprobs_mode=pipeline.config.logprobs_mode,
+                ),
                 prompt.media,
                 prompt.prompt_only,
                 prompt.cache_salt,
@@ -87,12 +92,20 @@ def start_job(
 
 
 def engine_sampling(
-    params: SamplingParamsModel, sample: int, *, sampling_mask: bool = False
+    params: SamplingParamsModel,
+    sample: int,
+    *,
+    sampling_mask: bool = False,
+    logprobs_mode: LogprobsMode = "raw_logprobs",
 ) -> SamplingParams:
-    """The engine's view of one choice; choice i > 0 of a seeded request uses seed + i."""
+    """The engine's view of one choice; choice i > 0 of a seeded request uses seed + i.
+    ``logprobs_mode``: the server's, for a request that names none."""
     assert params.max_tokens is not None, "validation resolves max_tokens"
     seed = params.seed if params.seed is None else params.seed + sample
-    mode = "processed_logprobs" if params.logprobs_mode.startswith("processed") else "raw_logprobs"
+    asked = params.logprobs_mode
+    mode: LogprobsMode = logprobs_mode
+    if asked is not None:
+        mode = "processed_logprobs" if asked.startswith("processed") else "raw_logprobs"
     return SamplingParams(
         max_tokens=params.max_tokens,
         temperature=params.temperature,

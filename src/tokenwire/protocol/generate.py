@@ -58,9 +58,8 @@ class SamplingParamsModel(StrictRequestModel):
     ignore_eos: bool = False
     logprobs: Int64 | None = Field(default=None, ge=-1)
     prompt_logprobs: Int64 | None = Field(default=None, ge=-1)
-    logprobs_mode: Literal["raw_logprobs", "processed_logprobs", "raw", "processed"] = (
-        "raw_logprobs"
-    )
+    # None: the server's --logprobs-mode.
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs", "raw", "processed"] | None = None
     repetition_penalty: RepetitionPenalty = 1.0
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0

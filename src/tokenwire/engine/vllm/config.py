@@ -2,7 +2,8 @@
 
 Engine arguments tokenwire does not know (``--tensor-parallel-size``, ``--enforce-eager``, ...)
 are parsed by vLLM's own CLI parser, so every vLLM engine flag works as it does under
-``vllm serve``. tokenwire's own flags (model, context length, batch size, dtype, max logprobs) win.
+``vllm serve``. tokenwire's own flags (model, context length, batch size, dtype, max logprobs,
+logprobs mode) win.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def engine_args(
     max_loras: int = 0,
     max_lora_rank: int = 16,
     max_num_batched_tokens: int | None = None,
+    logprobs_mode: str = "raw_logprobs",
 ) -> Any:
     """``AsyncEngineArgs`` for ``model_dir``; ``extra`` are vLLM CLI flags passed through."""
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -39,6 +41,7 @@ def engine_args(
     args = AsyncEngineArgs.from_cli_args(namespace)
     args.max_num_seqs = max_num_seqs
     args.max_logprobs = max_logprobs
+    args.logprobs_mode = logprobs_mode
     if max_model_len is not None:
         args.max_model_len = max_model_len
     if max_num_batched_tokens is not None:  # tokenwire's flag, vLLM's name and meaning

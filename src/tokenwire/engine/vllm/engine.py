@@ -74,6 +74,7 @@ class VLLMEngine:
         max_lora_rank: int = 16,
         max_num_batched_tokens: int | None = None,
         allow_nonfinite_weights: bool = False,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         self.model_dir = Path(model_dir)
         self.allow_nonfinite_weights = allow_nonfinite_weights
@@ -87,6 +88,7 @@ class VLLMEngine:
             "max_loras": max_loras,
             "max_lora_rank": max_lora_rank,
             "max_num_batched_tokens": max_num_batched_tokens,
+            "logprobs_mode": logprobs_mode,
         }
         if max_loras:
             self.features = self.features | {"lora"}
@@ -133,6 +135,7 @@ class VLLMEngine:
                 max_loras=self._options["max_loras"],
                 max_lora_rank=self._options["max_lora_rank"],
                 max_num_batched_tokens=self._options["max_num_batched_tokens"],
+                logprobs_mode=self._options["logprobs_mode"],
             )
             self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         except Exception as exc:

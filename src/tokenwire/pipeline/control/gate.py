@@ -6,8 +6,9 @@ their KV with the weights loaded by then). While paused by ``abort`` or ``wait``
 new requests get a 503 until resume, as in vLLM 0.33; under ``keep`` they queue in the paused
 engine. SGLang's pause holds new requests until resume instead (a bounded number, each until
 its client leaves). Sleep puts memory tags to sleep (vLLM's ``weights`` and ``kv_cache``,
-SGLang's also ``cuda_graph``); the server sleeps until every one is woken. Draining (shutdown)
-refuses every request not yet in the engine.
+SGLang's also ``cuda_graph``); the server sleeps until ``weights`` and ``kv_cache`` are both
+woken (there are no CUDA graphs here: AReaL's documented wake-up names only those two).
+Draining (shutdown) refuses every request not yet in the engine.
 
 The gate is the only writer of this state; ``ControlPlane.admit`` asks it, with the weights'
 own answer, once per request.
@@ -26,6 +27,8 @@ PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
 # wake-up (or resume) may name some of them.
 VLLM_MEMORY_TAGS = ("weights", "kv_cache")
 SGLANG_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+# What must be awake to serve: memory this server really has.
+_AWAKE_TO_SERVE = frozenset(VLLM_MEMORY_TAGS)
 # SGLang's pause modes in vLLM's terms: (mode, drop the kept requests' KV).
 SGLANG_PAUSE_MODES: dict[str, tuple[PauseMode, bool]] = {
     "abort": ("abort", False),
@@ -60,7 +63,7 @@ class Gate:
 
     @property
     def sleeping(self) -> bool:
-        return bool(self._asleep)
+        return bool(self._asleep & _AWAKE_TO_SERVE)
 
     @property
     def holding(self) -> bool:
@@ -75,7 +78,7 @@ class Gate:
         """Why a new request may not start now (None: it may)."""
         if self._draining:
             return "The server is shutting down"
-        if self._asleep:
+        if self.sleeping:
             return "The engine is sleeping; wake it up first"
         if self._pause_mode in ("abort", "wait") and not self._holding:
             return "The engine is paused; new requests are refused until resume"
@@ -155,13 +158,13 @@ class Gate:
         self._asleep |= frozenset(tags)
 
     def wake(self, tags: Collection[str] | None) -> bool:
-        """Wake ``tags`` (None: all); return whether nothing sleeps any more."""
+        """Wake ``tags`` (None: all); return whether the server may serve again."""
         if tags is None:
             self._asleep = frozenset()
         else:
             _check_tags(tags)
             self._asleep -= frozenset(tags)
-        return not self._asleep
+        return not self.sleeping
 
     def drain(self) -> None:
         """Refuse every request not yet in the engine (503), from now on and those held by

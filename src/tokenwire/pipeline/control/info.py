@@ -44,7 +44,7 @@ def vllm_config(pipeline: Pipeline) -> dict[str, Any]:
             "dtype": engine.dtype,
             "max_model_len": runtime.max_model_len,
             "max_logprobs": serving.max_logprobs,
-            "logprobs_mode": engine.logprobs_mode,
+            "logprobs_mode": serving.logprobs_mode,
         },
         "parallel_config": {
             "tensor_parallel_size": 1,
