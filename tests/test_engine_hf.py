@@ -350,13 +350,15 @@ def test_stop_reason_names_the_stop_token_id(engine: HFEngine, tokenizer: AutoTo
         return dataclasses.replace(SamplingParams(max_tokens=20, temperature=0), **changes)
 
     async def slow(rid: str, params: SamplingParams) -> Result:
-        """A consumer slower than the steps: outputs merge, and the stop reason survives."""
+        """A consumer that reads nothing after the first output until the engine has finished
+        the request: the rest merges into one output, and the stop reason survives."""
         res = Result()
         async for out in engine.generate(rid, prompt, params):
             res.outputs += 1
             res.tokens += out.new_token_ids
             res.finish, res.stop_reason = out.finish_reason, out.stop_reason
-            await asyncio.sleep(0.3)
+            while engine.stats().running:
+                await asyncio.sleep(0.05)
         return res
 
     async def main() -> list[Result]:
@@ -367,11 +369,11 @@ def test_stop_reason_names_the_stop_token_id(engine: HFEngine, tokenizer: AutoTo
                 collect(engine, "sr-length", prompt, sp(max_tokens=3)),
                 collect(engine, "sr-eos-listed", prompt, sp(stop_token_ids=(2,))),
                 collect(engine, "sr-eos-ignored", prompt, sp(stop_token_ids=(2,), ignore_eos=True)),
-                slow("sr-merged", sp(stop_token_ids=(7042,))),
             )
         )
 
-    stop_id, eos, length, eos_listed, eos_ignored, merged = run(main())
+    stop_id, eos, length, eos_listed, eos_ignored = run(main())
+    merged = run(slow("sr-merged", sp(stop_token_ids=(7042,))))
     assert stop_id.tokens == greedy[:4] and stop_id.finish == "stop"
     assert stop_id.stop_reason == 4649
     assert eos.tokens == greedy and eos.finish == "stop" and eos.stop_reason is None
