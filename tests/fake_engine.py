@@ -208,6 +208,7 @@ class FakeEngine:
         self.receive_gate: Gate | None = None  # holds the next receive until opened
         self.break_receive = False  # the next receive breaks off
         self.adapters: dict[int, AdapterVersion] = {}  # held adapter versions by id
+        self.adapter_sources: dict[int, Path | AdapterTensors] = {}  # what each loaded from
         self._started = False
         self._paused = False
         self._draining = False  # a "wait" pause waiting for the requests in flight
@@ -388,9 +389,11 @@ class FakeEngine:
         if isinstance(source, Path) and not (source / "adapter_config.json").is_file():
             raise WeightsError(f"{source} holds no adapter_config.json")
         self.adapters[adapter.id] = adapter
+        self.adapter_sources[adapter.id] = source
 
     async def unload_adapter(self, adapter: AdapterVersion) -> None:
         del self.adapters[adapter.id]
+        del self.adapter_sources[adapter.id]
 
     def check_adapter_update(
         self, config: Mapping[str, Any], tensors: Sequence[TensorMeta]

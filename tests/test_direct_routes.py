@@ -127,6 +127,9 @@ VALID: dict[Route, list[Any]] = {
     ("POST", "/generate"): [
         {"input_ids": IDS, "sampling_params": {"max_new_tokens": 3, "temperature": 0}},
         {"text": "Hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0}},
+        # atropos' vLLM-server bodies (generation, then prompt logprobs)
+        {"prompt": {"prompt_token_ids": IDS}, "logprobs": 0, "max_tokens": 3, "temperature": 0},
+        {"prompt": {"prompt_token_ids": IDS}, "prompt_logprobs": 1, "max_tokens": 1},
     ],
     ("POST", "/abort_requests"): [{"request_ids": ["nothing-running"]}, {}],
     ("POST", "/inference/v1/abort_requests"): [{"request_ids": ["nothing-running"]}],
@@ -160,6 +163,21 @@ VALID: dict[Route, list[Any]] = {
     # GET forms take an optional body, which only FastAPI reads.
     ("POST", "/release_memory_occupation"): [{"tags": ["kv_cache"]}],
     ("POST", "/resume_memory_occupation"): [{"tags": ["kv_cache"]}],
+    # The frameworks' routes (AReaL's pause holds generation until /continue_generation, sent
+    # after it in sorted order).
+    ("POST", "/collective_rpc"): [
+        {"method": "skyrl_discard_in_memory_lora", "kwargs": {"lora_name": "a"}},
+        {"method": "load_weights"},
+    ],
+    ("POST", "/fetch_weights"): [{"target_version": 1, "sync_dir": "/nonexistent"}],
+    ("POST", "/init_weight_update_communicator"): [
+        {"master_addr": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2}
+        | {"group_name": "g", "backend": "gloo", "model_dtype_str": "bfloat16"}
+    ],
+    ("POST", "/areal_pause_generation"): [None],
+    ("POST", "/areal_continue_generation"): [None],
+    ("POST", "/areal_update_weights"): [{"model_path": "/nonexistent/weights"}],
+    ("POST", "/areal_init_weights_update_group"): [{**GROUP, "backend": "gloo", "group_name": "g"}],
 }
 
 # Bodies each route's schema refuses (hypothesis finds more from the valid ones).
@@ -199,7 +217,12 @@ SCHEMA_FAILURES: dict[Route, list[Any]] = {
     ("POST", "/v1/messages/render"): [{"messages": [USER], "max_tokens": 0}],
     ("POST", "/v1/responses"): [{"input": [{"type": "nope"}]}, {"input": 1}],
     ("POST", "/v1/responses/render"): [{"input": "x", "max_output_tokens": 0}],
-    ("POST", "/generate"): [{"sampling_params": {}}, {"text": "x", "input_ids": IDS}],
+    ("POST", "/generate"): [
+        {"sampling_params": {}},
+        {"text": "x", "input_ids": IDS},
+        {"prompt": {"prompt_token_ids": []}},
+        {"prompt": {"prompt_token_ids": IDS}, "unknown": 1},
+    ],
     ("POST", "/abort_requests"): [{"request_ids": "x"}],
     ("POST", "/inference/v1/abort_requests"): [{}],
     ("POST", "/abort_request"): [{"abort_all": "maybe"}],
@@ -215,6 +238,11 @@ SCHEMA_FAILURES: dict[Route, list[Any]] = {
     ("POST", "/update_weights_from_tensor"): [{"serialized_named_tensors": []}],
     ("POST", "/release_memory_occupation"): [{"tags": "weights"}],
     ("POST", "/resume_memory_occupation"): [{"tags": 5}],
+    ("POST", "/collective_rpc"): [{"method": 1}, {}],
+    ("POST", "/fetch_weights"): [{}, {"target_version": "3"}],
+    ("POST", "/init_weight_update_communicator"): [{"master_addr": "127.0.0.1"}],
+    ("POST", "/areal_update_weights"): [{"model_path": ""}],
+    ("POST", "/areal_init_weights_update_group"): [{**GROUP, "master_port": "x"}],
 }
 
 # Bodies that are not valid JSON, or that only one of the parsers takes (greedy where valid).

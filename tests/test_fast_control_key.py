@@ -39,6 +39,14 @@ MUST_BE_CONTROL = {
     ("POST", "/pause_generation"),
     ("POST", "/release_memory_occupation"),
     ("GET", "/metrics"),
+    # The frameworks' own routes.
+    ("POST", "/collective_rpc"),
+    ("POST", "/fetch_weights"),
+    ("POST", "/init_weight_update_communicator"),
+    ("POST", "/areal_pause_generation"),
+    ("POST", "/areal_continue_generation"),
+    ("POST", "/areal_update_weights"),
+    ("POST", "/areal_init_weights_update_group"),
 }
 
 

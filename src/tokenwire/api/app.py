@@ -27,6 +27,7 @@ from tokenwire.api.routes import (
     control,
     derender,
     extend,
+    frameworks,
     generate,
     info,
     lora,
@@ -116,7 +117,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         sglang.router,
     ]
     if settings.enable_rl_control:
-        routers.append(control.router)
+        routers.extend([control.router, frameworks.router])
         if settings.enable_lora:
             routers.append(lora.router)
     for router in routers:

@@ -85,7 +85,9 @@ def error_response(status: int, message: str, param: str | None = None) -> Respo
     return OrjsonResponse(error_body(status, message, param), status_code=status)
 
 
-_UNION_TAGS = frozenset({"chat", "completion", "whole", "stream", "function-after[]"})
+_UNION_TAGS = frozenset(
+    {"chat", "completion", "whole", "stream", "function-after[]", "sglang", "vllm_server"}
+)
 NOT_JSON = "The request body must be JSON: send it with Content-Type: application/json"
 
 

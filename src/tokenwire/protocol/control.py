@@ -237,6 +237,22 @@ class LoadLoraAdapterBody(RequestModel):
     weight_version: str | None = Field(default=None, min_length=1, max_length=256)
 
 
+class SkyRLLoadLoraAdapterBody(RequestModel):
+    """SkyRL's ``/skyrl/v1/load_lora_adapter``: ``lora_path``, or ``in_memory: true`` for the
+    adapter its last weight update carried (``lora.sync_mode=memory``)."""
+
+    lora_name: str = Field(max_length=256)
+    lora_path: str | None = Field(default=None, max_length=4096)
+    in_memory: bool = False
+    weight_version: str | None = Field(default=None, min_length=1, max_length=256)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SkyRLLoadLoraAdapterBody:
+        if self.in_memory == (self.lora_path is not None):
+            raise ValueError("send lora_path or in_memory: true (one of them)")
+        return self
+
+
 class LoadLoraAdapterFromTensorsBody(RequestModel):
     """SGLang's ``/load_lora_adapter_from_tensors``: ``config_dict`` (adapter_config.json's
     fields) and the factors as one serialized entry (``serialized_tensors``, SGLang 0.5.8) or

@@ -239,6 +239,26 @@ class MessageStatusResponse(BaseModel):
     status: str
 
 
+class VLLMServerGenerateResponse(BaseModel):
+    """vLLM's old demo server's ``/generate`` answer (atropos' ``VLLMServer`` reads it): per
+    choice its text and finish reason; with ``logprobs``, per choice per token a one-item
+    list ``[{token_id: logprob, ...}]`` (the sampled token first), and the ids."""
+
+    text: list[str]
+    prompt: str
+    finish_reasons: list[str | None]
+    logprobs: list[list[list[dict[str, float | str]]]] | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[list[int]] | None = None
+    prompt_logprobs: list[dict[str, float | str] | None] | None = None
+
+
+class CollectiveRpcResponse(BaseModel):
+    """vLLM's ``/collective_rpc`` answer: one result per worker (this server is one)."""
+
+    results: list[Any]
+
+
 class IsPausedResponse(BaseModel):
     is_paused: bool
 

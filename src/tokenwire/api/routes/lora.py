@@ -16,6 +16,7 @@ from tokenwire.pipeline.control.transfer import decode_tensors
 from tokenwire.protocol.control import (
     LoadLoraAdapterBody,
     LoadLoraAdapterFromTensorsBody,
+    SkyRLLoadLoraAdapterBody,
     UnloadLoraAdapterBody,
 )
 from tokenwire.protocol.responses import SGLangLoraResponse
@@ -41,9 +42,16 @@ async def load_lora_adapter(request: Request, body: LoadLoraAdapterBody) -> Resp
 
 
 @router.post("/skyrl/v1/load_lora_adapter", response_class=PlainTextResponse)
-async def skyrl_load_lora_adapter(request: Request, body: LoadLoraAdapterBody) -> Response:
-    """SkyRL's: always replaces the adapter of that name (its trainer rewrites the files)."""
-    await _load(request, body, inplace=True)
+async def skyrl_load_lora_adapter(request: Request, body: SkyRLLoadLoraAdapterBody) -> Response:
+    """SkyRL's: always replaces the adapter of that name (its trainer rewrites the files); with
+    ``in_memory``, the adapter its last weight update carried, loaded when that finished."""
+    adapters = pipeline_of(request).control.adapters
+    if body.lora_path is None:
+        adapters.check_from_memory(body.lora_name)
+    else:
+        await adapters.load_path(
+            body.lora_name, body.lora_path, load_inplace=True, version=body.weight_version
+        )
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 

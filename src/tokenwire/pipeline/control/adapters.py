@@ -83,6 +83,18 @@ class AdapterRegistry:
         """The adapter a request's ``model`` names (None: the base model)."""
         return model if model and model in self._loaded else None
 
+    def check_from_memory(self, name: str) -> None:
+        """SkyRL's in-memory load: a 400 unless ``name`` is loaded from a trainer's memory (the
+        weight update armed with its receive target loaded it at finish)."""
+        self._require_on()
+        adapter = self._loaded.get(name)
+        if adapter is None or adapter.path != MEMORY_ADAPTER_PATH:
+            raise InvalidRequest(
+                f"in_memory: no LoRA adapter {name!r} came from a weight update; arm "
+                "skyrl_set_lora_receive_target (/collective_rpc) before sending its factors",
+                "in_memory",
+            )
+
     @property
     def resident(self) -> int:
         """Adapter versions the engine holds now."""

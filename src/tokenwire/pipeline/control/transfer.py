@@ -7,7 +7,9 @@ tensors against the model, then receives them (one broadcast each, or vLLM's pac
 ``finish`` publishes the version once every weight came; ``shutdown`` leaves the group. A body
 the server will not take is refused before a byte is received; since the trainer broadcasts
 it anyway, the group cannot carry on in step and is closed. With ``lora_name`` an update
-carries one LoRA adapter's factors instead, loaded through the adapter registry at the end.
+carries one LoRA adapter's factors instead, loaded through the adapter registry at the end;
+so does every update of the next round after ``arm_lora_target`` (SkyRL's receive target, which
+names the adapter out of band, and the factors that share a sent one).
 
 The group is this object's; it changes only under the weight lifecycle's lock.
 """
@@ -64,6 +66,17 @@ class StagedAdapter:
     name: str
     config: dict[str, Any]
     tensors: dict[str, Any] = field(default_factory=dict)
+    # Factors not sent that share a sent one's values: {name: sent name} (SkyRL's aliases).
+    aliases: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraTarget:
+    """The adapter the next update round carries when its ``update_info`` names none."""
+
+    name: str
+    config: dict[str, Any]
+    aliases: dict[str, str]
 
 
 class WeightTransfer:
@@ -86,6 +99,8 @@ class WeightTransfer:
         self._abort_all = abort_all
         self._group: TransferGroup | None = None
         self._previous: tuple[TensorMeta, ...] = ()  # what empty update_info lists repeat
+        # Armed for the next round; disarmed at finish, or when the group closes.
+        self._target: LoraTarget | None = None
 
     @property
     def timeout_s(self) -> float:
@@ -125,8 +140,10 @@ class WeightTransfer:
             "init_info",
         )
 
-    async def init_group(self, body: InitWeightsUpdateGroupBody) -> None:
-        """SGLang's ``/init_weights_update_group``: the backend comes with the body."""
+    async def init_group(self, body: InitWeightsUpdateGroupBody, *, replace: bool = True) -> None:
+        """SGLang's ``/init_weights_update_group``: the backend comes with the body. Without
+        ``replace`` an open group is kept and nothing is dialled (skyrl-train's
+        ``override_existing_receiver: false``)."""
         await self._join(
             WeightGroup(
                 master_address=body.master_address,
@@ -139,9 +156,12 @@ class WeightTransfer:
             ),
             TransferGroup(body.group_name, packed=False, buffer_size_bytes=0),
             "backend",
+            replace=replace,
         )
 
-    async def _join(self, spec: WeightGroup, group: TransferGroup, param: str) -> None:
+    async def _join(
+        self, spec: WeightGroup, group: TransferGroup, param: str, *, replace: bool = True
+    ) -> None:
         engine = self._engine()
         backends = engine.weight_transfer_backends()
         if spec.backend not in backends:
@@ -161,6 +181,8 @@ class WeightTransfer:
                 raise InvalidRequest(
                     "a weight update is open over the current group; finish it first", param
                 )
+            if not replace and self._group is not None:
+                return
             # As vLLM: a new init replaces the group (its trainer restarted, say).
             await self._leave()
             try:
@@ -185,7 +207,8 @@ class WeightTransfer:
         return group is not None and group_name in (None, group.group_name)
 
     async def _leave(self) -> None:
-        """Close the group (the caller holds the lock)."""
+        """Close the group (the caller holds the lock); an armed round ends with it."""
+        self._target = None
         if self._group is not None:
             self._group = None
             await self._engine().leave_weight_group()
@@ -228,11 +251,30 @@ class WeightTransfer:
             packed = group.packed if update_info.packed is None else update_info.packed
             size = update_info.packed_buffer_size_bytes or group.buffer_size_bytes
             update = WeightUpdate(metas, packed, size)
-            if update_info.lora_name is None and current.staged is None:
+            target = self._target
+            if update_info.lora_name is None and target is not None:
+                await self._stage_factors(update, target.name, target.config, target.aliases)
+            elif update_info.lora_name is None and current.staged is None:
                 await self._receive_into_model(update, "update_info")
             else:
                 await self._stage_factors(update, update_info.lora_name, update_info.lora_config)
             self._previous = metas
+
+    async def arm_lora_target(
+        self, name: str, config: dict[str, Any], aliases: dict[str, str]
+    ) -> None:
+        """SkyRL's ``skyrl_set_lora_receive_target``: the next round's updates carry adapter
+        ``name``'s factors (its ``update_info`` has only names, dtypes and shapes); finish
+        loads the adapter and disarms. Arming again replaces the target."""
+        self._adapters.check_name(name)
+        async with self._weights.locked():
+            if self._weights.update is not None:
+                raise InvalidRequest(
+                    "receive_target: arm it before the round (a weight update is open; finish "
+                    "it first)",
+                    "kwargs.receive_target",
+                )
+            self._target = LoraTarget(name, config, aliases)
 
     async def finish(self, version: str | None) -> None:
         """vLLM's ``/finish_weight_update {weight_version?}``: every weight must have come."""
@@ -242,6 +284,7 @@ class WeightTransfer:
                     "finish_weight_update called without a matching start_weight_update."
                 )
             staged = self._weights.update.staged
+            self._target = None  # one round only, as SkyRL's receive engine disarms
             if staged is None:
                 await self._weights.finish(version)
                 return
@@ -263,7 +306,11 @@ class WeightTransfer:
             raise
 
     async def _stage_factors(
-        self, update: WeightUpdate, name: str | None, config: dict[str, Any] | None
+        self,
+        update: WeightUpdate,
+        name: str | None,
+        config: dict[str, Any] | None,
+        aliases: dict[str, str] | None = None,
     ) -> None:
         """Receive a LoRA adapter's factors into the open update (the model is untouched: a
         broadcast that breaks off leaves every adapter as it was)."""
@@ -277,7 +324,8 @@ class WeightTransfer:
                     "same lora_name in every update_info), not both"
                 )
             if staged is None:
-                staged = StagedAdapter(name, self._adapters.config_for(name, config, param))
+                config = self._adapters.config_for(name, config, param)
+                staged = StagedAdapter(name, config, aliases=dict(aliases or {}))
         except (WeightsError, InvalidRequest) as exc:
             await self._refuse(exc, param)
         current.staged = staged
@@ -302,8 +350,17 @@ class WeightTransfer:
             raise InvalidRequest(f"LoRA adapter {staged.name!r} not updated: {exc}", param) from exc
 
     async def _load_adapter(self, staged: StagedAdapter, version: str | None, param: str) -> None:
+        tensors = dict(staged.tensors)
+        for name, sent in staged.aliases.items():
+            if sent not in staged.tensors:
+                raise InvalidRequest(
+                    f"LoRA adapter {staged.name!r} not loaded: alias {name!r} names {sent!r}, "
+                    "which was not sent",
+                    param,
+                )
+            tensors[name] = staged.tensors[sent]  # shares the sent tensor, as SkyRL's receiver
         await self._adapters.load_tensors(
-            staged.name, staged.tensors, config=staged.config, version=version, param=param
+            staged.name, tensors, config=staged.config, version=version, param=param
         )
 
     async def _refuse(self, exc: Exception, param: str) -> NoReturn:

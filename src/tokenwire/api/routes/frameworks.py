@@ -1,0 +1,90 @@
+"""Routes RL frameworks' own bundled servers add (``--enable-rl-control``, the control key):
+SkyRL's ``/collective_rpc`` methods and ``/fetch_weights``, skyrl-train's
+``/init_weight_update_communicator``, AReaL's ``/areal_*``. Bodies and answers are theirs;
+each route is one control-plane call (``pipeline.control.frameworks`` for SkyRL's methods)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from tokenwire.api.control_key import CONTROL
+from tokenwire.api.responses import OrjsonResponse
+from tokenwire.api.state import pipeline_of
+from tokenwire.pipeline.control import frameworks
+from tokenwire.protocol.control import InitWeightsUpdateGroupBody
+from tokenwire.protocol.frameworks import (
+    ArealUpdateWeightsBody,
+    CollectiveRpcBody,
+    FetchWeightsBody,
+    InitWeightUpdateCommunicatorBody,
+)
+from tokenwire.protocol.responses import (
+    CollectiveRpcResponse,
+    StatusResponse,
+    SuccessMessageResponse,
+)
+
+router = APIRouter(tags=[CONTROL])
+
+# AReaL's server answers each worker's outcome (``build_response``): one worker here.
+_AREAL_RANK_OK = "TP rank: 0 success\n"
+
+
+@router.post("/collective_rpc", response_model=CollectiveRpcResponse)
+async def collective_rpc(body: CollectiveRpcBody, request: Request) -> Response:
+    """vLLM's worker RPC, limited to the methods SkyRL's client calls (any other: a 400)."""
+    results = await frameworks.collective_rpc(pipeline_of(request).control, body)
+    return OrjsonResponse({"results": results})
+
+
+@router.post(
+    "/fetch_weights",
+    response_class=Response,
+    responses={200: {"description": "Never: SkyRL's delta backend is not served (400)"}},
+)
+async def fetch_weights(body: FetchWeightsBody, request: Request) -> Response:
+    frameworks.refuse_fetch_weights()
+
+
+@router.post("/init_weight_update_communicator", response_model=StatusResponse)
+async def init_weight_update_communicator(
+    body: InitWeightUpdateCommunicatorBody, request: Request
+) -> Response:
+    """skyrl-train's vLLM server: join the trainer's group (SGLang's way)."""
+    await pipeline_of(request).control.transfer.init_group(
+        body.as_group(), replace=body.override_existing_receiver
+    )
+    return OrjsonResponse({"status": "ok"})
+
+
+@router.post("/areal_pause_generation", response_model=SuccessMessageResponse)
+async def areal_pause_generation(request: Request) -> Response:
+    """AReaL's: requests in flight end now, new ones wait for /areal_continue_generation."""
+    await pipeline_of(request).control.gate.hold("abort")
+    return OrjsonResponse(
+        {"success": True, "message": "Generation paused and all requests aborted"}
+    )
+
+
+@router.post("/areal_continue_generation", response_model=SuccessMessageResponse)
+async def areal_continue_generation(request: Request) -> Response:
+    await pipeline_of(request).control.resume()
+    return OrjsonResponse({"success": True, "message": "Generation continued"})
+
+
+@router.post("/areal_update_weights", response_model=SuccessMessageResponse)
+async def areal_update_weights(body: ArealUpdateWeightsBody, request: Request) -> Response:
+    """AReaL's checkpoint reload: requests in flight end first, as AReaL's server pauses
+    (without waiting for them) around the load."""
+    await pipeline_of(request).control.reload(body.model_path, None, abort_all_requests=True)
+    return OrjsonResponse({"success": True, "message": _AREAL_RANK_OK})
+
+
+@router.post("/areal_init_weights_update_group", response_model=SuccessMessageResponse)
+async def areal_init_weights_update_group(
+    body: InitWeightsUpdateGroupBody, request: Request
+) -> Response:
+    """AReaL's group: SGLang's fields, joined as SGLang's ``init_weights_update_group``."""
+    await pipeline_of(request).control.transfer.init_group(body)
+    return OrjsonResponse({"success": True, "message": _AREAL_RANK_OK})

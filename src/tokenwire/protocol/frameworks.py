@@ -1,0 +1,105 @@
+"""Bodies of the routes RL frameworks' own bundled servers add (SkyRL's and skyrl-train's vLLM
+servers, AReaL's): each as the framework's released client sends it."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from tokenwire.protocol.common import Int64, RequestModel, StrictRequestModel
+from tokenwire.protocol.control import (
+    InitWeightsUpdateGroupBody,
+    LenientPort,
+    LoraConfig,
+    LoraName,
+    PositiveInt,
+)
+
+
+class CollectiveRpcBody(RequestModel):
+    """vLLM's ``/collective_rpc`` (dev mode): a worker method by name and its arguments. Only
+    the methods ``pipeline.control.frameworks.RPC_METHODS`` names are served; ``kwargs`` are
+    checked against that method's own model there. ``timeout`` is accepted: every call here
+    is bounded by the weight transfer's own timeout."""
+
+    method: str = Field(max_length=256)
+    args: list[Any] = Field(default_factory=list)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    timeout: float | None = None
+
+
+class SleepForWeightSyncKwargs(StrictRequestModel):
+    """SkyRL's ``skyrl_sleep_for_weight_sync``: keep the frozen requests' KV (offload it) or
+    drop it."""
+
+    offload_kv: bool = True
+
+
+class WakeForWeightSyncKwargs(StrictRequestModel):
+    """SkyRL's ``skyrl_wake_for_weight_sync``: the allocator tags to wake (None: all)."""
+
+    tags: list[Literal["weights", "kv_cache"]] | None = None
+
+
+class LoraReceiveTarget(RequestModel):
+    """SkyRL's LoRA receive target (``weight_sync/lora_target.py``): the next weight update
+    carries this adapter's factors; ``aliases`` maps a factor not sent to the sent one it
+    shares (``{public_key: sent_key}``)."""
+
+    kind: Literal["lora"]
+    lora_name: LoraName
+    adapter_config: LoraConfig
+    aliases: dict[str, str] = Field(default_factory=dict)
+
+
+class SetLoraReceiveTargetKwargs(StrictRequestModel):
+    receive_target: LoraReceiveTarget
+
+
+class DiscardInMemoryLoraKwargs(StrictRequestModel):
+    lora_name: LoraName
+
+
+class FetchWeightsBody(RequestModel):
+    """SkyRL's ``/fetch_weights`` (its checkpoint-delta backend): the version to fetch, from
+    ``sync_dir`` or ``uri``."""
+
+    target_version: Int64
+    sync_dir: str | None = None
+    uri: str | None = None
+
+
+class InitWeightUpdateCommunicatorBody(RequestModel):
+    """skyrl-train's vLLM server: ``asdict(BroadcastInitInfo)``. The group is formed as
+    SGLang's (``init_custom_process_group``, keyed by ``group_name``)."""
+
+    master_addr: str = Field(min_length=1, max_length=255)
+    master_port: LenientPort
+    rank_offset: PositiveInt
+    world_size: Annotated[int, Field(ge=2, le=65536)]
+    group_name: str = Field(min_length=1, max_length=256)
+    backend: str
+    # skyrl-train's receiver asserts this dtype; here floating dtypes are cast on copy.
+    model_dtype_str: str | None = None
+    # False: an open group is kept and this init does nothing (skyrl-train's worker).
+    override_existing_receiver: bool = True
+
+    def as_group(self) -> InitWeightsUpdateGroupBody:
+        """The same group in SGLang's names."""
+        return InitWeightsUpdateGroupBody(
+            master_address=self.master_addr,
+            master_port=self.master_port,
+            rank_offset=self.rank_offset,
+            world_size=self.world_size,
+            group_name=self.group_name,
+            backend=self.backend,
+        )
+
+
+class ArealUpdateWeightsBody(RequestModel):
+    """AReaL's ``/areal_update_weights``: a checkpoint directory. Its ``load_format`` and
+    ``abort_all_requests`` are ignored, as AReaL's server does (it aborts every request in flight
+    whatever they say)."""
+
+    model_path: str = Field(min_length=1)
