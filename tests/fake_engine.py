@@ -57,6 +57,7 @@ from tokenwire.engine.base import (
     WeightTransferError,
     WeightUpdate,
 )
+from tokenwire.engine.eos import eos_token_ids, generation_eos
 from tokenwire.engine.stopping import check_stop
 from tokenwire.engine.vllm.weights import check_tensors
 from tokenwire.weight_transfer import TensorMeta
@@ -217,17 +218,12 @@ class FakeEngine:
         """Sized like the hf engine sizes ``model_dir``: its config's vocabulary, eos ids from
         the generation config, the context capped as the hf engine caps it."""
         config = json.loads((model_dir / "config.json").read_text())
-        generation = model_dir / "generation_config.json"
-        eos = (
-            json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
-        )
-        eos = config.get("eos_token_id") if eos is None else eos
         limit = config.get("max_position_embeddings") or _MAX_MODEL_LEN_CAP
         return cls(
             model_name=model_dir.name,
             max_model_len=max_model_len or min(limit, _MAX_MODEL_LEN_CAP),
             vocab_size=config["vocab_size"],
-            eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
+            eos_token_ids=eos_token_ids(generation_eos(model_dir), config.get("eos_token_id")),
         )
 
     # -- the Engine protocol ------------------------------------------------------------------

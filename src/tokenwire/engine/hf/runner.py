@@ -6,7 +6,6 @@ method runs on the engine thread, under the scheduler's ``torch.inference_mode``
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ import numpy as np
 import torch
 
 from tokenwire.engine.base import EngineError, TokenLogprob, WeightsError
+from tokenwire.engine.eos import eos_token_ids, generation_eos
 from tokenwire.engine.hf import invariance
 from tokenwire.engine.hf.handoff import PrefillProgress, Request
 from tokenwire.engine.hf.host_memory import return_free_heap_to_os
@@ -119,11 +119,7 @@ class ModelRunner:
 
     def load(self) -> None:
         """Load the weights, read vocab size and eos ids, and warm up."""
-        from transformers import (
-            AutoModelForCausalLM,
-            AutoModelForImageTextToText,
-            GenerationConfig,
-        )
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         auto = AutoModelForImageTextToText if self.vision is not None else AutoModelForCausalLM
         # On the engine thread, which runs every forward (OpenMP's thread count is per thread).
@@ -141,13 +137,9 @@ class ModelRunner:
         if any(t != "full_attention" for t in layer_types):
             raise EngineError("the hf engine supports full-attention models only")
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
-        eos: Any = None
-        with contextlib.suppress(OSError, ValueError):
-            eos = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
-        if eos is None:
-            eos = getattr(text_config, "eos_token_id", None)
-        eos_list = eos if isinstance(eos, list | tuple) else [eos]
-        self.eos_token_ids = tuple(int(e) for e in eos_list if e is not None)
+        self.eos_token_ids = eos_token_ids(
+            generation_eos(self.model_dir), getattr(text_config, "eos_token_id", None)
+        )
         self.model = model
         # Every weight by its checkpoint name (tied ones under both), read once: new weights
         # are checked against it and copied into it.

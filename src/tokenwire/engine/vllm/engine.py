@@ -36,6 +36,7 @@ from tokenwire.engine.base import (
     WeightTransferError,
     WeightUpdate,
 )
+from tokenwire.engine.eos import eos_token_ids
 from tokenwire.engine.lora_rules import check_update
 from tokenwire.engine.vllm.config import engine_args, sampling_params
 from tokenwire.engine.vllm.outputs import OutputState
@@ -142,11 +143,12 @@ class VLLMEngine:
         self.vocab_size = int(config.get_vocab_size())
         self.logprobs_mode = str(config.logprobs_mode)
         self.dtype = str(config.dtype)
-        eos = config.try_get_generation_config().get("eos_token_id")
-        if eos is None:
-            eos = getattr(config.hf_text_config, "eos_token_id", None)
-        eos_list = eos if isinstance(eos, list | tuple) else [eos]
-        self.eos_token_ids = tuple(int(e) for e in eos_list if e is not None)
+        # vLLM's view of the generation config, not model_dir's: --generation-config in the
+        # vLLM flags may move it.
+        self.eos_token_ids = eos_token_ids(
+            config.try_get_generation_config().get("eos_token_id"),
+            getattr(config.hf_text_config, "eos_token_id", None),
+        )
         # One receiving rank per server: several workers (tensor, pipeline or data parallel)
         # would each need their own.
         parallel = self._llm.vllm_config.parallel_config
