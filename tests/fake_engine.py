@@ -59,7 +59,7 @@ from tokenwire.engine.base import (
 )
 from tokenwire.engine.eos import eos_token_ids, generation_eos
 from tokenwire.engine.stopping import check_stop
-from tokenwire.engine.vllm.weights import check_tensors
+from tokenwire.engine.weight_rules import Layout, check_tensors
 from tokenwire.weight_transfer import TensorMeta
 
 # How often a held request looks again at its gate, the pause and its abort flag. Polling keeps
@@ -72,7 +72,7 @@ ALL_FEATURES: frozenset[EngineFeature] = frozenset(
     {"prompt_token_id_logprobs", "logprob_token_ids", "sampling_mask"}
 )
 # The weights a trainer may send the fake engine: every update is checked against these.
-FAKE_LAYOUT: dict[str, tuple[int, ...]] = {
+FAKE_LAYOUT: Layout = {
     "model.embed_tokens.weight": (8, 4),
     "model.layers.0.mlp.down_proj.weight": (4, 4),
 }

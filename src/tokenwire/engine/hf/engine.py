@@ -58,6 +58,7 @@ from tokenwire.engine.hf.prefix_cache import salt_key
 from tokenwire.engine.hf.runner import ModelRunner
 from tokenwire.engine.hf.scheduler import Scheduler
 from tokenwire.engine.hf.weight_receiver import WeightReceiver
+from tokenwire.engine.weight_rules import check_tensors
 from tokenwire.weight_transfer import TensorMeta
 
 logger = logging.getLogger(__name__)
@@ -330,7 +331,7 @@ class HFEngine:
         await asyncio.to_thread(self._receiver.leave)
 
     def check_weight_update(self, tensors: Sequence[TensorMeta]) -> None:
-        self._runner.check_weights((t.name, t.dtype, t.shape) for t in tensors)
+        check_tensors(self._runner.layout, ((t.name, t.dtype, t.shape) for t in tensors))
 
     async def receive_weights(self, update: WeightUpdate) -> None:
         receiver = self._receiver
@@ -341,7 +342,7 @@ class HFEngine:
 
     async def copy_weights(self, tensors: dict[str, Any]) -> None:
         runner = self._runner
-        runner.check_weights((name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
+        check_tensors(runner.layout, ((n, t.dtype, tuple(t.shape)) for n, t in tensors.items()))
 
         def copy() -> None:
             for name, tensor in tensors.items():

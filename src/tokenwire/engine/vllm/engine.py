@@ -40,7 +40,8 @@ from tokenwire.engine.eos import eos_token_ids
 from tokenwire.engine.lora_rules import check_update
 from tokenwire.engine.vllm.config import engine_args, sampling_params
 from tokenwire.engine.vllm.outputs import OutputState
-from tokenwire.engine.vllm.weights import check_fits, check_tensors, checkpoint_layout
+from tokenwire.engine.vllm.weights import check_fits, checkpoint_layout
+from tokenwire.engine.weight_rules import Layout, check_tensors
 from tokenwire.weight_transfer import TensorMeta, dtype_name, safetensors_bytes
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class VLLMEngine:
         # a trainer may send (the checkpoint's, and a tied output layer's with its twin), and
         # those received that wait in the worker for the rest of their layer.
         self._backends: tuple[str, ...] = ()
-        self._transfer_layout: dict[str, tuple[int, ...]] = {}
+        self._transfer_layout: Layout = {}
         self._twins: dict[str, str] = {}
         self._waiting: set[str] = set()
         self._adapter_targets: dict[str, tuple[int, int]] = {}
