@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokenwire.engine.base import WeightsError
+from tokenwire.engine.checkpoint import checkpoint_files
 from tokenwire.engine.weight_rules import Layout
 
 
@@ -19,13 +20,8 @@ def checkpoint_layout(weight_dir: Path) -> Layout:
     """Every tensor's name and shape in a directory's ``*.safetensors`` files."""
     from safetensors import safe_open
 
-    if not weight_dir.is_dir():
-        raise WeightsError(f"{weight_dir} is not a directory")
-    files = sorted(weight_dir.glob("*.safetensors"))
-    if not files:
-        raise WeightsError(f"{weight_dir} holds no *.safetensors files")
     layout: Layout = {}
-    for file in files:
+    for file in checkpoint_files(weight_dir):
         try:
             with safe_open(file, framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
