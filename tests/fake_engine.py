@@ -56,6 +56,7 @@ from tokenwire.engine.base import (
     WeightsError,
     WeightTransferError,
     WeightUpdate,
+    check_new_request,
 )
 from tokenwire.engine.eos import eos_token_ids, generation_eos
 from tokenwire.engine.stopping import check_stop
@@ -254,12 +255,9 @@ class FakeEngine:
     ) -> AsyncIterator[EngineOutput]:
         """Yield the script's outputs until the stop rule ends it; closing early aborts."""
         prompt = list(prompt_token_ids)
-        if not self._started:
-            raise EngineError("the engine is not running")
         # No prompt checks: validation above the engine refuses what does not fit, and the
         # bad-input tests see that the engine never got it (``calls``).
-        if request_id in self.live:
-            raise EngineError(f"request id {request_id!r} is already running")
+        check_new_request(self.is_ready(), request_id, self.live)
         if adapter is not None and adapter.id not in self.adapters:
             raise RuntimeError(f"fake engine: {adapter} is not held")  # a registry bug
         reply = self.script(request_id, prompt, sampling)

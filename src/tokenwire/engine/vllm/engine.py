@@ -35,6 +35,8 @@ from tokenwire.engine.base import (
     WeightsError,
     WeightTransferError,
     WeightUpdate,
+    check_new_request,
+    check_running,
 )
 from tokenwire.engine.eos import eos_token_ids
 from tokenwire.engine.lora_rules import check_update
@@ -199,12 +201,9 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         prompt = list(prompt_token_ids)
-        if not self.is_ready():
-            raise EngineError("the engine is not running")
+        check_new_request(self.is_ready(), request_id, self._live)
         if media is not None:
             raise EngineError("--engine vllm takes no image input yet (see docs/api.md)")
-        if request_id in self._live:
-            raise EngineError(f"request id {request_id!r} is already running")
         params = sampling_params(sampling, self.logprobs_mode)
         tokens = TokensPrompt(prompt_token_ids=prompt)
         if cache_salt is not None:
@@ -426,8 +425,7 @@ class VLLMEngine:
         return load(await self._worker_receive("tokenwire_receive_tensors", update))
 
     def _require_running(self) -> None:
-        if not self.is_ready():
-            raise EngineError("the engine is not running")
+        check_running(self.is_ready())
 
     async def shutdown(self) -> None:
         """Stop vLLM's engine processes; requests in flight end."""
