@@ -56,9 +56,11 @@ from tokenwire.engine.base import (
     WeightsError,
     WeightTransferError,
     WeightUpdate,
+    check_new_request,
 )
+from tokenwire.engine.eos import eos_token_ids, generation_eos
 from tokenwire.engine.stopping import check_stop
-from tokenwire.engine.vllm.weights import check_tensors
+from tokenwire.engine.weight_rules import Layout, check_tensors
 from tokenwire.weight_transfer import TensorMeta
 
 # How often a held request looks again at its gate, the pause and its abort flag. Polling keeps
@@ -71,7 +73,7 @@ ALL_FEATURES: frozenset[EngineFeature] = frozenset(
     {"prompt_token_id_logprobs", "logprob_token_ids", "sampling_mask"}
 )
 # The weights a trainer may send the fake engine: every update is checked against these.
-FAKE_LAYOUT: dict[str, tuple[int, ...]] = {
+FAKE_LAYOUT: Layout = {
     "model.embed_tokens.weight": (8, 4),
     "model.layers.0.mlp.down_proj.weight": (4, 4),
 }
@@ -218,17 +220,12 @@ class FakeEngine:
         """Sized like the hf engine sizes ``model_dir``: its config's vocabulary, eos ids from
         the generation config, the context capped as the hf engine caps it."""
         config = json.loads((model_dir / "config.json").read_text())
-        generation = model_dir / "generation_config.json"
-        eos = (
-            json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
-        )
-        eos = config.get("eos_token_id") if eos is None else eos
         limit = config.get("max_position_embeddings") or _MAX_MODEL_LEN_CAP
         return cls(
             model_name=model_dir.name,
             max_model_len=max_model_len or min(limit, _MAX_MODEL_LEN_CAP),
             vocab_size=config["vocab_size"],
-            eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
+            eos_token_ids=eos_token_ids(generation_eos(model_dir), config.get("eos_token_id")),
         )
 
     # -- the Engine protocol ------------------------------------------------------------------
@@ -259,12 +256,9 @@ class FakeEngine:
     ) -> AsyncIterator[EngineOutput]:
         """Yield the script's outputs until the stop rule ends it; closing early aborts."""
         prompt = list(prompt_token_ids)
-        if not self._started:
-            raise EngineError("the engine is not running")
         # No prompt checks: validation above the engine refuses what does not fit, and the
         # bad-input tests see that the engine never got it (``calls``).
-        if request_id in self.live:
-            raise EngineError(f"request id {request_id!r} is already running")
+        check_new_request(self.is_ready(), request_id, self.live)
         if adapter is not None and adapter.id not in self.adapters:
             raise RuntimeError(f"fake engine: {adapter} is not held")  # a registry bug
         reply = self.script(request_id, prompt, sampling)

@@ -4,14 +4,15 @@ The pipeline only ever sees these types. One engine request is one sequence: the
 generation job makes one per choice. Requests arrive checked (``pipeline.validation``: prompt ids
 in the vocabulary, prompt + ``max_tokens`` within the context) and admitted (the control plane's
 gate and weights allow them; a LoRA adapter is resolved to the version the request holds), so
-engines do not check them again; they check only what is theirs (media tensors, duplicate ids,
-being up). The contract has three parts, each a protocol that tests hold every engine to:
-``GenerationEngine``, ``WeightEngine`` and ``AdapterEngine``; ``Engine`` is all three.
+engines do not check them again; they check only what is theirs (media tensors, and with
+``check_new_request`` duplicate ids and being up). The contract has three parts, each a protocol
+that tests hold every engine to (``test_engine_contract``): ``GenerationEngine``,
+``WeightEngine`` and ``AdapterEngine``; ``Engine`` is all three.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -143,6 +144,21 @@ class EngineStats:
 
 class EngineError(Exception):
     """A request the engine cannot serve (e.g. too long); mapped to a 400 by the api layer."""
+
+
+def check_running(ready: bool) -> None:
+    """``EngineError`` unless the engine is up (``is_ready``): what it refuses before start,
+    after shutdown, or once it failed."""
+    if not ready:
+        raise EngineError("the engine is not running")
+
+
+def check_new_request(ready: bool, request_id: str, in_flight: Container[str]) -> None:
+    """What every engine's ``generate`` refuses before its own checks (``EngineError``): an
+    engine that is not up, and a request id already in flight (its outputs would mix)."""
+    check_running(ready)
+    if request_id in in_flight:
+        raise EngineError(f"request id {request_id!r} is already running")
 
 
 class WeightsError(EngineError):

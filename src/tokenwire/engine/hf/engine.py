@@ -29,6 +29,8 @@ from tokenwire.engine.base import (
     WeightGroup,
     WeightsError,
     WeightUpdate,
+    check_new_request,
+    check_running,
 )
 from tokenwire.engine.checkpoint import read_checkpoint
 from tokenwire.engine.defaults import (
@@ -58,6 +60,7 @@ from tokenwire.engine.hf.prefix_cache import salt_key
 from tokenwire.engine.hf.runner import ModelRunner
 from tokenwire.engine.hf.scheduler import Scheduler
 from tokenwire.engine.hf.weight_receiver import WeightReceiver
+from tokenwire.engine.weight_rules import check_tensors
 from tokenwire.weight_transfer import TensorMeta
 
 logger = logging.getLogger(__name__)
@@ -225,12 +228,8 @@ class HFEngine:
             },
         )
 
-    def _validate(
-        self, prompt: list[int], sampling: SamplingParams, media: Any | None
-    ) -> RequestMedia | None:
-        """Refuse what the engine cannot serve (``EngineError``); return the checked images."""
-        if not self.is_ready():
-            raise EngineError("the engine is not running")
+    def _images(self, prompt: list[int], media: Any | None) -> RequestMedia | None:
+        """The request's images, checked (``EngineError`` for what the model cannot take)."""
         if media is None:
             return None
         if self.vision is None:
@@ -249,9 +248,8 @@ class HFEngine:
     ) -> AsyncIterator[EngineOutput]:
         """Stream a request's outputs; closing the iterator early aborts it in the engine."""
         prompt = list(prompt_token_ids)
-        checked = self._validate(prompt, sampling, media)
-        if request_id in self._live:
-            raise EngineError(f"request id {request_id!r} is already running")
+        check_new_request(self.is_ready(), request_id, self._live)
+        checked = self._images(prompt, media)
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
         self._live[request_id] = sink
         request = Request(
@@ -330,7 +328,7 @@ class HFEngine:
         await asyncio.to_thread(self._receiver.leave)
 
     def check_weight_update(self, tensors: Sequence[TensorMeta]) -> None:
-        self._runner.check_weights((t.name, t.dtype, t.shape) for t in tensors)
+        check_tensors(self._runner.layout, ((t.name, t.dtype, t.shape) for t in tensors))
 
     async def receive_weights(self, update: WeightUpdate) -> None:
         receiver = self._receiver
@@ -341,7 +339,7 @@ class HFEngine:
 
     async def copy_weights(self, tensors: dict[str, Any]) -> None:
         runner = self._runner
-        runner.check_weights((name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
+        check_tensors(runner.layout, ((n, t.dtype, tuple(t.shape)) for n, t in tensors.items()))
 
         def copy() -> None:
             for name, tensor in tensors.items():
@@ -384,8 +382,7 @@ class HFEngine:
         await self._command(lambda reply: UnloadAdapter(adapter, reply))
 
     async def _command(self, make: Any) -> Any:
-        if not self.is_ready():
-            raise EngineError("the engine is not running")
+        check_running(self.is_ready())
         reply = Reply.here()
         self._inbox.put(make(reply))
         return await reply.future

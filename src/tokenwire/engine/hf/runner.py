@@ -6,9 +6,8 @@ method runs on the engine thread, under the scheduler's ``torch.inference_mode``
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Collection, Iterable
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import numpy as np
 import torch
 
 from tokenwire.engine.base import EngineError, TokenLogprob, WeightsError
+from tokenwire.engine.eos import eos_token_ids, generation_eos
 from tokenwire.engine.hf import invariance
 from tokenwire.engine.hf.handoff import PrefillProgress, Request
 from tokenwire.engine.hf.host_memory import return_free_heap_to_os
@@ -27,6 +27,7 @@ from tokenwire.engine.hf.multimodal import RequestMedia, VisionSpec, prefill_med
 from tokenwire.engine.hf.prefix_cache import LayerKV, RowKV
 from tokenwire.engine.hf.sampling import RowSampler, SampleResult, sample, token_logprobs
 from tokenwire.engine.stopping import suppressed_ids
+from tokenwire.engine.weight_rules import Layout, check_tensors
 
 # Prompt positions per log_softmax chunk when computing prompt logprobs.
 PROMPT_LOGPROB_CHUNK = 256
@@ -110,6 +111,7 @@ class ModelRunner:
         self.eos_token_ids: tuple[int, ...] = ()
         self.model: Any = None
         self.weights: dict[str, torch.Tensor] = {}
+        self.layout: Layout = {}  # the weights' shapes: what new tensors are checked against
         self.cache: PaddedBatchCache | None = None
         self._num_layers = 0
         self._cache_kwarg = "cache"
@@ -119,11 +121,7 @@ class ModelRunner:
 
     def load(self) -> None:
         """Load the weights, read vocab size and eos ids, and warm up."""
-        from transformers import (
-            AutoModelForCausalLM,
-            AutoModelForImageTextToText,
-            GenerationConfig,
-        )
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         auto = AutoModelForImageTextToText if self.vision is not None else AutoModelForCausalLM
         # On the engine thread, which runs every forward (OpenMP's thread count is per thread).
@@ -141,17 +139,14 @@ class ModelRunner:
         if any(t != "full_attention" for t in layer_types):
             raise EngineError("the hf engine supports full-attention models only")
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
-        eos: Any = None
-        with contextlib.suppress(OSError, ValueError):
-            eos = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
-        if eos is None:
-            eos = getattr(text_config, "eos_token_id", None)
-        eos_list = eos if isinstance(eos, list | tuple) else [eos]
-        self.eos_token_ids = tuple(int(e) for e in eos_list if e is not None)
+        self.eos_token_ids = eos_token_ids(
+            generation_eos(self.model_dir), getattr(text_config, "eos_token_id", None)
+        )
         self.model = model
         # Every weight by its checkpoint name (tied ones under both), read once: new weights
-        # are checked against it and copied into it.
+        # are checked against its shapes (``layout``) and copied into it.
         self.weights: dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
+        self.layout = {name: tuple(weight.shape) for name, weight in self.weights.items()}
         if self._max_loras:
             # One slot beyond --max-loras: a load fills it before the version it replaces
             # leaves (the adapter registry counts the versions against --max-loras).
@@ -172,28 +167,12 @@ class ModelRunner:
         (or share its storage with one that is: tied embeddings are saved once). Checked before
         anything is copied, so a mismatch leaves the old weights untouched.
         """
-        self.check_weights((name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
+        check_tensors(self.layout, ((name, t.dtype, tuple(t.shape)) for name, t in tensors.items()))
         missing = self.missing_weights(tensors)
         if missing:
             raise WeightsError(f"tensors missing from the checkpoint: {', '.join(missing[:5])}")
         for name, tensor in tensors.items():
             self.copy_weight(name, tensor)
-
-    def check_weights(self, tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
-        """``WeightsError`` unless each (name, dtype, shape) names a weight of that shape in a
-        floating dtype (copied in with the model's dtype, as vLLM's ``load_weights`` does)."""
-        params = self.weights
-        unexpected: list[str] = []
-        for name, dtype, shape in tensors:
-            param = params.get(name)
-            if param is None:
-                unexpected.append(name)
-            elif shape != tuple(param.shape):
-                raise WeightsError(f"{name} has shape {shape}; the model's is {tuple(param.shape)}")
-            elif not dtype.is_floating_point:
-                raise WeightsError(f"{name} has dtype {dtype}; the model's weights are floating")
-        if unexpected:
-            raise WeightsError(f"tensors the model does not have: {', '.join(unexpected[:5])}")
 
     def missing_weights(self, given: Collection[str]) -> list[str]:
         """The model's weights ``given`` leaves out; a tied weight is given with its twin."""

@@ -35,11 +35,15 @@ from tokenwire.engine.base import (
     WeightsError,
     WeightTransferError,
     WeightUpdate,
+    check_new_request,
+    check_running,
 )
+from tokenwire.engine.eos import eos_token_ids
 from tokenwire.engine.lora_rules import check_update
 from tokenwire.engine.vllm.config import engine_args, sampling_params
 from tokenwire.engine.vllm.outputs import OutputState
-from tokenwire.engine.vllm.weights import check_fits, check_tensors, checkpoint_layout
+from tokenwire.engine.vllm.weights import check_fits, checkpoint_layout
+from tokenwire.engine.weight_rules import Layout, check_tensors
 from tokenwire.weight_transfer import TensorMeta, dtype_name, safetensors_bytes
 
 logger = logging.getLogger(__name__)
@@ -110,7 +114,7 @@ class VLLMEngine:
         # a trainer may send (the checkpoint's, and a tied output layer's with its twin), and
         # those received that wait in the worker for the rest of their layer.
         self._backends: tuple[str, ...] = ()
-        self._transfer_layout: dict[str, tuple[int, ...]] = {}
+        self._transfer_layout: Layout = {}
         self._twins: dict[str, str] = {}
         self._waiting: set[str] = set()
         self._adapter_targets: dict[str, tuple[int, int]] = {}
@@ -145,11 +149,12 @@ class VLLMEngine:
         self.vocab_size = int(config.get_vocab_size())
         self.logprobs_mode = str(config.logprobs_mode)
         self.dtype = str(config.dtype)
-        eos = config.try_get_generation_config().get("eos_token_id")
-        if eos is None:
-            eos = getattr(config.hf_text_config, "eos_token_id", None)
-        eos_list = eos if isinstance(eos, list | tuple) else [eos]
-        self.eos_token_ids = tuple(int(e) for e in eos_list if e is not None)
+        # vLLM's view of the generation config, not model_dir's: --generation-config in the
+        # vLLM flags may move it.
+        self.eos_token_ids = eos_token_ids(
+            config.try_get_generation_config().get("eos_token_id"),
+            getattr(config.hf_text_config, "eos_token_id", None),
+        )
         # One receiving rank per server: several workers (tensor, pipeline or data parallel)
         # would each need their own.
         parallel = self._llm.vllm_config.parallel_config
@@ -199,12 +204,9 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         prompt = list(prompt_token_ids)
-        if not self.is_ready():
-            raise EngineError("the engine is not running")
+        check_new_request(self.is_ready(), request_id, self._live)
         if media is not None:
             raise EngineError("--engine vllm takes no image input yet (see docs/api.md)")
-        if request_id in self._live:
-            raise EngineError(f"request id {request_id!r} is already running")
         params = sampling_params(sampling, self.logprobs_mode)
         tokens = TokensPrompt(prompt_token_ids=prompt)
         if cache_salt is not None:
@@ -426,8 +428,7 @@ class VLLMEngine:
         return load(await self._worker_receive("tokenwire_receive_tensors", update))
 
     def _require_running(self) -> None:
-        if not self.is_ready():
-            raise EngineError("the engine is not running")
+        check_running(self.is_ready())
 
     async def shutdown(self) -> None:
         """Stop vLLM's engine processes; requests in flight end."""
