@@ -197,7 +197,6 @@ class FakeEngine:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.dtype = "torch.float32"
-        self.logprobs_mode = "raw_logprobs"
         self.features: frozenset[EngineFeature] = ALL_FEATURES
         self.script: Script = cycle_prompt
         self.weight_version = DEFAULT_WEIGHT_VERSION

@@ -221,10 +221,8 @@ class GenerationEngine(Protocol):
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]  # known once started
-    # As vLLM's config reports them (``/server_info``), once started: the weights' dtype
-    # (``"torch.bfloat16"``), and the logprobs a request gets unless it asks for the other kind.
+    # As vLLM's config reports it (``/server_info``), once started: ``"torch.bfloat16"``.
     dtype: str
-    logprobs_mode: str
     features: frozenset[EngineFeature]
     weight_version: str  # what tokens sampled now carry (an adapter's requests: its version)
 

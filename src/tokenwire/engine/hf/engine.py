@@ -111,10 +111,8 @@ def _merge(items: list[EngineOutput]) -> EngineOutput:
 
 
 class HFEngine:
-    """Continuous batching for one transformers causal LM on CPU or CUDA (see the package)."""
-
-    # Each request may ask for the processed logprobs instead.
-    logprobs_mode = "raw_logprobs"
+    """Continuous batching for one transformers causal LM on CPU or CUDA (see the package);
+    each request says which logprobs it gets (``SamplingParams.logprobs_mode``)."""
 
     def __init__(
         self,

@@ -105,7 +105,9 @@ class VLLMEngine:
         self.vocab_size = 0
         self.eos_token_ids: tuple[int, ...] = ()
         self._llm: Any = None
-        self.logprobs_mode = "raw_logprobs"
+        # vLLM returns one kind of logprobs per engine (--logprobs-mode): a request asking for
+        # the other is refused (``config.sampling_params``).
+        self.logprobs_mode = logprobs_mode
         self.dtype = dtype or "auto"  # vLLM's resolved dtype once started
         self._version = DEFAULT_WEIGHT_VERSION
         self._live: dict[str, str] = {}  # tokenwire request id -> vLLM's internal id
