@@ -141,3 +141,35 @@ def test_a_directory_without_checkpoint_files_is_refused(tmp_path: Path) -> None
         read_checkpoint(tmp_path)
     with pytest.raises(WeightsError, match="is not a directory"):
         read_checkpoint(tmp_path / "missing")
+
+
+def test_a_padded_file_is_refused_before_its_bytes_are_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bytes past the last tensor (a small file padded to gigabytes, sparse): refused once the
+    header is read, as safetensors refuses them, without reading the rest."""
+    path = write(tmp_path, {"w": torch.ones(4)})
+    os.truncate(path, 2 * 2**30)
+    reads: list[int] = []
+    read_whole = checkpoint.read_whole
+
+    def counted(handle, size):  # type: ignore[no-untyped-def]
+        reads.append(size)
+        return read_whole(handle, size)
+
+    monkeypatch.setattr(checkpoint, "read_whole", counted)
+    with pytest.raises(WeightsError, match="not what its header gives"):
+        read_checkpoint(tmp_path)
+    assert sum(reads) < 4096
+
+
+def test_an_error_quotes_none_of_the_file(tmp_path: Path) -> None:
+    """A file that is not safetensors is refused without its bytes or size in the message (its
+    first 8 bytes used to come back as the header size)."""
+    secret = b"root:x:0:0:root:/root:/bin/bash\n"
+    (tmp_path / "model.safetensors").write_bytes(secret)
+    with pytest.raises(WeightsError) as refused:
+        read_checkpoint(tmp_path)
+    message = str(refused.value)
+    for leak in (str(int.from_bytes(secret[:8], "little")), str(len(secret)), "root"):
+        assert leak not in message

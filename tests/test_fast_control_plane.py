@@ -13,10 +13,12 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from tests.conftest import assert_error
 from tests.fake_engine import FAKE_LAYOUT, Gate, Reply, Step
 from tests.fast_app import FastApp
+from tokenwire import adapter_files
 
 PROMPT = [5, 6, 7]  # none of them eos
 GROUP = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2}
@@ -195,8 +197,8 @@ def test_concurrent_reloads_get_different_versions(fast_control: FastApp) -> Non
 
 def _adapter_dir(tmp_path: Path, name: str) -> str:
     path = tmp_path / name
-    path.mkdir()
-    (path / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8}')
+    factor = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    adapter_files.write(path, {"r": 4, "lora_alpha": 8}, {factor: torch.zeros(4, 576)})
     return str(path)
 
 

@@ -138,6 +138,23 @@ def test_completions_plain_and_streaming(fast_smollm2: FastApp) -> None:
     assert "".join(c.choices[0].text for c in streamed if c.choices) == result.choices[0].text
 
 
+def test_completions_default_to_16_tokens_as_vllm(fast_smollm2: FastApp) -> None:
+    """Completions without ``max_tokens`` get 16 (vLLM's and OpenAI's default; it ran to the
+    context limit), an explicit null what fits; chat keeps what fits."""
+    room = post(fast_smollm2, "/tokenize", {"prompt": "Hi"})
+    fits = room["max_model_len"] - room["count"]
+    render = "/v1/completions/render"
+    assert post(fast_smollm2, render, {"prompt": "Hi"})[0]["sampling_params"]["max_tokens"] == 16
+    nulled = post(fast_smollm2, render, {"prompt": "Hi", "max_tokens": None})
+    assert nulled[0]["sampling_params"]["max_tokens"] == fits
+    fast_smollm2.engine.script = lambda *_: [7] * 40
+    completion = post(fast_smollm2, "/v1/completions", {"prompt": "Hi"})
+    assert completion["usage"]["completion_tokens"] == 16
+    assert fast_smollm2.engine.calls[-1].sampling.max_tokens == 16
+    chat = post(fast_smollm2, "/v1/chat/completions/render", {"messages": PARIS})
+    assert chat["sampling_params"]["max_tokens"] == room["max_model_len"] - len(chat["token_ids"])
+
+
 def test_completions_number_choices_prompt_by_prompt(fast_smollm2: FastApp) -> None:
     """Prompt i's choice j is choice i * n + j, whether streamed or not."""
     fast_smollm2.engine.script = lambda _, prompt, sampling: [prompt[0], 1000 + sampling.seed]

@@ -136,6 +136,19 @@ def test_bad_adapters_are_refused(tmp_path: Path, lora_adapters: list[Path]) -> 
             "NaN or infinite",
         ),
         "dora": (_write(tmp_path / "dora", {**config, "use_dora": True}, good), "use_dora"),
+        # NaN alpha loaded and served every token at -9999; a huge one overflows B.
+        "alpha": (
+            _write(tmp_path / "alpha", {**config, "lora_alpha": float("nan")}, good),
+            "NaN is not a finite number",
+        ),
+        "overflow": (
+            _write(
+                tmp_path / "overflow",
+                {**config, "lora_alpha": 1e29},
+                {**good, f"{q}.lora_B.weight": torch.full((576, 4), 1e20)},
+            ),
+            "overflows",
+        ),
         "no_weights": (_write(tmp_path / "empty", config, {"x": torch.zeros(1)}), "lora_A"),
     }
     for name, (path, message) in cases.items():
@@ -367,6 +380,56 @@ def test_lora_bad_input(lora_server: Server, lora_adapters: list[Path], tmp_path
         assert wrong.status_code == 400
     # Nothing changed: a0 still serves.
     assert _generate(lora_server, "a0", PROMPT)["choices"][0]["token_ids"]
+
+
+def test_hostile_adapter_files_are_refused(lora_server: Server, lora_adapters: list[Path]) -> None:
+    """The red team's adapter directories inside --allowed-lora-paths: a symlink out of it, a
+    small adapter padded to a 2 GiB sparse file (refused unread: the server's peak memory stays),
+    a NaN alpha. Each is a 400 quoting no file bytes, and a0 still serves."""
+    root = lora_adapters[0].parent
+    secret = root.parent / "secret"
+    secret.write_bytes(b"root:x:0:0:root:/root:/bin/bash\n")
+    linked = _copy(lora_adapters[0], root / "hostile-link")
+    (linked / WEIGHTS_FILE).unlink()
+    (linked / WEIGHTS_FILE).symlink_to(secret)
+    sparse = _copy(lora_adapters[0], root / "hostile-sparse")
+    with open(sparse / WEIGHTS_FILE, "r+b") as file:
+        file.truncate(2 * 2**30)
+    nan = _copy(lora_adapters[0], root / "hostile-nan")
+    config = (nan / CONFIG_FILE).read_text()
+    (nan / CONFIG_FILE).write_text(re.sub(r'"lora_alpha": \d+', '"lora_alpha": NaN', config))
+    peak = _peak_rss(lora_server)
+    cases = [
+        (linked, "--allowed-lora-paths"),
+        (sparse, "not what its header gives"),
+        (nan, "NaN is not a finite number"),
+    ]
+    with lora_server.client() as client:
+        for path, message in cases:
+            body = {"lora_name": "hostile", "lora_path": str(path)}
+            response = client.post("/v1/load_lora_adapter", json=body)
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]["message"]
+            assert message in error
+            assert "root" not in error.replace(str(root), "")
+    assert _peak_rss(lora_server) - peak < 2**30
+    assert _generate(lora_server, "a0", PROMPT)["choices"][0]["token_ids"]
+
+
+def _copy(adapter: Path, path: Path) -> Path:
+    path.mkdir()
+    for file in (CONFIG_FILE, WEIGHTS_FILE):
+        (path / file).write_bytes((adapter / file).read_bytes())
+    return path
+
+
+def _peak_rss(server: Server) -> int:
+    """The server process's peak resident memory, in bytes."""
+    status = Path(f"/proc/{server.process.pid}/status")
+    if not status.exists():
+        pytest.skip("no /proc")
+    line = next(x for x in status.read_text().splitlines() if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
 
 
 def test_sglang_lora_path_names_the_adapter(lora_server: Server) -> None:

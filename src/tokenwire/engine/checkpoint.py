@@ -6,7 +6,8 @@ rewritten in between (a trainer saving its next step into the same directory) th
 SIGBUS on that touch, which kills the server. Here each file is read with plain reads into one
 buffer, and its size and modification time are compared before and after: a file changed under
 the reader is a ``WeightsError`` (a 400) and the old weights stay. A file replaced by a rename
-is read whole as it was when opened.
+is read whole as it was when opened. The header is checked against the file's size before the
+tensor bytes are read, so a file that is not exactly what its header describes costs no memory.
 """
 
 from __future__ import annotations
@@ -84,22 +85,41 @@ def all_finite(tensor: torch.Tensor) -> bool:
 
 
 def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
-    """One file's tensors, views of one buffer read while the file was open."""
+    """One file's tensors (``read_open_safetensors``)."""
     try:
         with open(file, "rb", buffering=0) as handle:
-            before = os.fstat(handle.fileno())
-            data = read_whole(handle, before.st_size)
-            after = os.fstat(handle.fileno())
+            return read_open_safetensors(handle, file.name)
     except OSError as exc:
         raise WeightsError(f"{file.name} cannot be read: {exc.strerror}") from exc
-    if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
-        raise WeightsError(f"{file.name} changed while it was read; retry once it is written")
-    if len(data) != before.st_size:
-        raise WeightsError(f"{file.name} was truncated while it was read")
+
+
+def read_open_safetensors(handle: io.RawIOBase, name: str) -> dict[str, torch.Tensor]:
+    """An open file's tensors, views of one buffer read from it. The header is read and checked
+    first: a file that is not exactly the size its header gives (a small file padded to
+    gigabytes, say) is refused before its tensor bytes are read. Messages never quote the
+    file's bytes (the file may be one the client had no right to read)."""
+    malformed = None
     try:
-        return _tensors(data)
-    except (ValueError, KeyError, TypeError, RuntimeError) as exc:  # a truncated or foreign file
-        raise WeightsError(f"{file.name} is not a readable safetensors file: {exc}") from exc
+        before = os.fstat(handle.fileno())
+        try:
+            layout, data = _read_layout(handle, before.st_size)
+        except _Malformed as exc:
+            malformed = exc
+        after = os.fstat(handle.fileno())
+    except OSError as exc:
+        raise WeightsError(f"{name} cannot be read: {exc.strerror}") from exc
+    if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
+        raise WeightsError(f"{name} changed while it was read; retry once it is written")
+    if malformed is not None:
+        raise WeightsError(f"{name} is not a readable safetensors file: {malformed}")
+    tensors = {}
+    for key, (dtype, shape, begin, count) in layout.items():
+        if count == 0:
+            tensors[key] = torch.empty(shape, dtype=dtype)
+        else:
+            flat = torch.frombuffer(data, dtype=dtype, count=count, offset=begin)
+            tensors[key] = flat.reshape(shape)
+    return tensors
 
 
 def read_whole(handle: io.RawIOBase, size: int) -> bytearray:
@@ -117,37 +137,67 @@ def read_whole(handle: io.RawIOBase, size: int) -> bytearray:
     return data
 
 
-def _tensors(data: bytearray) -> dict[str, torch.Tensor]:
+class _Malformed(ValueError):
+    """A file that is not safetensors; the message says why without quoting its bytes."""
+
+
+# A tensor's place in the data section: dtype, shape, first byte, element count.
+_Entry = tuple[torch.dtype, list[int], int, int]
+
+
+def _read_layout(handle: io.RawIOBase, size: int) -> tuple[dict[str, _Entry], bytearray]:
     """safetensors' layout: an 8-byte little-endian header size, a JSON header naming each
-    tensor's dtype, shape and byte range, then the bytes."""
-    if len(data) < 8:
-        raise ValueError("shorter than its header size")
-    header_size = int.from_bytes(data[:8], "little")
-    start = 8 + header_size
-    if header_size > MAX_HEADER_BYTES or start > len(data):
-        raise ValueError(f"header of {header_size} bytes in a file of {len(data)}")
-    header = json.loads(data[8:start])
+    tensor's dtype, shape and byte range, then the bytes; the data section is read only once
+    the header accounts for every byte of the file (``size``)."""
+    prefix = read_whole(handle, 8)
+    if len(prefix) < 8:
+        raise _Malformed("shorter than a safetensors header")
+    header_size = int.from_bytes(prefix, "little")
+    if header_size > MAX_HEADER_BYTES or 8 + header_size > size:
+        raise _Malformed("its header size does not fit in the file")
+    raw = read_whole(handle, header_size)
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        raise _Malformed("its header is not JSON") from None
     if not isinstance(header, dict):
-        raise ValueError("the header is not a JSON object")
-    tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise ValueError(f"{name}: unknown dtype {info['dtype']!r}")
-        shape = [int(size) for size in info["shape"]]
-        begin, end = (int(offset) for offset in info["data_offsets"])
-        count = math.prod(shape)
-        if min(shape, default=0) < 0:
-            raise ValueError(f"{name}: negative dimension in shape {shape}")
-        if not 0 <= begin <= end <= len(data) - start:
-            raise ValueError(f"{name}: bytes {begin}..{end} are not in the file (truncated?)")
-        if end - begin != count * dtype.itemsize:
-            raise ValueError(f"{name}: {end - begin} bytes for shape {shape} of {info['dtype']}")
-        if count == 0:
-            tensors[name] = torch.empty(shape, dtype=dtype)
-        else:
-            flat = torch.frombuffer(data, dtype=dtype, count=count, offset=start + begin)
-            tensors[name] = flat.reshape(shape)
-    return tensors
+        raise _Malformed("its header is not a JSON object")
+    layout = {}
+    data_size = 0
+    for key, info in header.items():
+        if key != "__metadata__":
+            layout[key], end = _entry(key, info)
+            data_size = max(data_size, end)
+    if 8 + header_size + data_size != size:
+        raise _Malformed("its size is not what its header gives (bytes past its tensors?)")
+    data = read_whole(handle, data_size)
+    if len(data) < data_size:
+        raise _Malformed("it ended early (truncated?)")
+    return layout, data
+
+
+def _entry(key: str, info: object) -> tuple[_Entry, int]:
+    """One header entry, checked, and the end of its bytes."""
+    if not isinstance(info, dict):
+        raise _Malformed(f"{key}: its header entry is not a JSON object")
+    name = info.get("dtype")
+    dtype = _DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise _Malformed(f"{key}: a dtype safetensors does not define")
+    shape = info.get("shape")
+    offsets = info.get("data_offsets")
+    if not _ints(shape) or min(shape, default=0) < 0:
+        raise _Malformed(f"{key}: its shape is not a list of non-negative integers")
+    if not _ints(offsets) or len(offsets) != 2 or not 0 <= offsets[0] <= offsets[1]:
+        raise _Malformed(f"{key}: its data_offsets are not a byte range")
+    begin, end = offsets
+    count = math.prod(shape)
+    if end - begin != count * dtype.itemsize:
+        raise _Malformed(f"{key}: its byte range does not hold its shape and dtype")
+    return (dtype, shape, begin, count), end
+
+
+def _ints(value: object) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(item, int) and not isinstance(item, bool) for item in value
+    )

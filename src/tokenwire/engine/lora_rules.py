@@ -16,6 +16,8 @@ from tokenwire.weight_transfer import TensorMeta
 
 # PEFT names a module's factors "<prefix><module path>.lora_A.weight" / ".lora_B.weight".
 _PEFT_PREFIX = "base_model.model."
+# Far beyond any trained alpha, and small enough that the scaling is a float.
+_MAX_ALPHA = 1e30
 # adapter_config.json fields whose non-default values change the math served here.
 _UNSUPPORTED: dict[str, Any] = {
     "use_dora": False,
@@ -57,7 +59,10 @@ def check_config(config: Mapping[str, Any], *, max_rank: int) -> tuple[int, floa
         raise WeightsError(f"the adapter's rank {rank} is above --max-lora-rank {max_rank}")
     alpha = config.get("lora_alpha", rank)
     if not isinstance(alpha, int | float) or isinstance(alpha, bool):
-        raise WeightsError(f"{CONFIG_FILE}: lora_alpha must be a number, got {alpha!r}")
+        raise WeightsError(f"{CONFIG_FILE}: lora_alpha must be a number")
+    # NaN or infinity (or an integer past float's range) would scale every output to garbage.
+    if abs(alpha) > _MAX_ALPHA or not math.isfinite(alpha):
+        raise WeightsError(f"{CONFIG_FILE}: lora_alpha must be a finite number")
     return rank, alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 

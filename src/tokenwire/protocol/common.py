@@ -8,6 +8,7 @@ the serializer or the engine's batch.
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -50,6 +51,28 @@ def _int64_integers(value: Any) -> Any:
 EchoedJson = Annotated[Any, AfterValidator(_int64_integers)]
 # vLLM's: prefix-cache blocks are shared only by requests with the same salt; empty is a 400.
 CacheSalt = Annotated[str, Field(min_length=1)]
+
+
+# Linux's NAME_MAX and PATH_MAX: longer paths fail every OS call on them.
+MAX_PATH_COMPONENT_BYTES = 255
+MAX_PATH_BYTES = 4096
+
+
+def _server_path(value: str) -> str:
+    """A path the OS can look up: NUL or an over-long component would fail deep in a handler
+    (``ValueError``, ``ENAMETOOLONG``); here it is a 400."""
+    if "\0" in value:
+        raise ValueError("a path must not contain a NUL character")
+    encoded = os.fsencode(value)  # a lone surrogate fails here: a ValueError, so a 400 too
+    if len(encoded) > MAX_PATH_BYTES:
+        raise ValueError(f"a path must be at most {MAX_PATH_BYTES} bytes")
+    if any(len(part) > MAX_PATH_COMPONENT_BYTES for part in encoded.split(b"/")):
+        raise ValueError(f"a path component must be at most {MAX_PATH_COMPONENT_BYTES} bytes")
+    return value
+
+
+# A path on the server's filesystem (a checkpoint or adapter directory).
+ServerPath = Annotated[str, AfterValidator(_server_path)]
 
 
 class RequestModel(BaseModel):

@@ -6,7 +6,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
-from tokenwire.protocol.common import INT64_MAX, Int64, RequestModel, StrictRequestModel
+from tokenwire.protocol.common import (
+    INT64_MAX,
+    Int64,
+    RequestModel,
+    ServerPath,
+    StrictRequestModel,
+)
 from tokenwire.weight_transfer import (
     DEFAULT_GROUP_NAME,
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
@@ -125,7 +131,7 @@ class UpdateWeightsBody(RequestModel):
     from the trainer's group; a list holds one entry per receiving rank, as vLLM's data-parallel
     form: this server is rank 0 of it); ``pipeline.control.update_weights`` tells them apart."""
 
-    weight_dir: str | None = Field(default=None, min_length=1)
+    weight_dir: ServerPath | None = Field(default=None, min_length=1)
     weight_version: str | None = Field(default=None, min_length=1, max_length=256)
     update_info: TransferUpdateInfo | list[TransferUpdateInfo] | None = None
 
@@ -186,7 +192,7 @@ class UpdateWeightsFromTensorBody(RequestModel):
 class UpdateWeightsFromDiskBody(RequestModel):
     """SGLang's ``/update_weights_from_disk``."""
 
-    model_path: str = Field(min_length=1)
+    model_path: ServerPath = Field(min_length=1)
     weight_version: str | None = Field(default=None, min_length=1, max_length=256)
     abort_all_requests: bool = False
     flush_cache: bool = True
@@ -232,7 +238,7 @@ class LoadLoraAdapterBody(RequestModel):
     ``weight_version`` (tokenwire's) labels the tokens it samples."""
 
     lora_name: str = Field(max_length=256)
-    lora_path: str = Field(max_length=4096)
+    lora_path: ServerPath
     load_inplace: bool = False
     weight_version: str | None = Field(default=None, min_length=1, max_length=256)
 

@@ -119,13 +119,15 @@ class ChatCompletionRequest(ChatTemplateOptions, SamplingFields):
 
 
 Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
+DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
     logprobs: int | None = Field(default=None, ge=0)
-    # 0 only with ``echo``: the prompt and its logprobs, nothing generated (vLLM's).
-    max_tokens: NonNegativeInt64 | None = None
+    # 0 only with ``echo``: the prompt and its logprobs, nothing generated (vLLM's). vLLM's and
+    # OpenAI's default is 16 (chat's is what fits); an explicit null is what fits, as vLLM.
+    max_tokens: NonNegativeInt64 | None = DEFAULT_COMPLETION_MAX_TOKENS
     echo: bool = False
     suffix: str | None = None
     add_special_tokens: bool = True

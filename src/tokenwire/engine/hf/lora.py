@@ -21,9 +21,8 @@ from typing import Any
 import torch
 
 from tokenwire import adapter_files
-from tokenwire.adapter_files import WEIGHTS_FILE
 from tokenwire.engine.base import AdapterTensors, WeightsError
-from tokenwire.engine.checkpoint import all_finite, read_safetensors
+from tokenwire.engine.checkpoint import all_finite
 from tokenwire.engine.lora_rules import check_config, check_factor, check_update
 from tokenwire.weight_transfer import TensorMeta
 
@@ -56,15 +55,9 @@ def target_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
 def read_adapter(path: Path) -> AdapterTensors:
     """A PEFT adapter directory, read into memory (checked by ``check_adapter``)."""
     try:
-        config = adapter_files.read_config(path)
+        return AdapterTensors(adapter_files.read_config(path), adapter_files.read_weights(path))
     except adapter_files.AdapterFileError as exc:
         raise WeightsError(str(exc)) from exc
-    file = path / WEIGHTS_FILE
-    if not file.is_file():
-        raise WeightsError(f"{path} has no {WEIGHTS_FILE}")
-    # Read into memory while the file is open, as checkpoints are (a trainer rewriting the
-    # adapter it saves each step must not fault the server).
-    return AdapterTensors(config, read_safetensors(file))
 
 
 def check_adapter(
@@ -92,7 +85,10 @@ def check_adapter(
         a, b = pair["lora_A"], pair["lora_B"]
         if config.get("fan_in_fan_out"):
             a, b = a.T, b.T
-        factors[module] = (a.to(dtype).contiguous(), (b.to(torch.float32) * scaling).to(dtype))
+        b = (b.to(torch.float32) * scaling).to(dtype)
+        if not all_finite(b):  # a large alpha overflows the model's dtype
+            raise WeightsError(f"{module}.lora_B times the scaling overflows {dtype}")
+        factors[module] = (a.to(dtype).contiguous(), b)
     return AdapterWeights(rank=rank, factors=factors)
 
 

@@ -129,18 +129,23 @@ class AdapterRegistry:
             raise InvalidRequest("Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
         self._check_name(name)
         path = self._checked_path(lora_path)
+        roots = self.allowed_roots
         try:
-            config = await asyncio.to_thread(adapter_files.read_config, path)
+            config = await asyncio.to_thread(adapter_files.read_config, path, roots)
+            async with self._lock:
+                if name in self._loaded and not load_inplace:
+                    raise InvalidRequest(
+                        f"The lora adapter '{name}' has already been loaded. If you want to "
+                        "load the adapter in place, set 'load_inplace' to True.",
+                        "lora_name",
+                    )
+                # Read here, not by the engine: every file a load opens is checked against
+                # the roots, and one load at a time holds an adapter's bytes.
+                tensors = await asyncio.to_thread(adapter_files.read_weights, path, roots)
+                source = AdapterTensors(config, tensors)
+                return await self._install(name, lora_path, config, source, version, "lora_path")
         except adapter_files.AdapterFileError as exc:
             raise InvalidRequest(f"LoRA adapter not loaded: {exc}", "lora_path") from exc
-        async with self._lock:
-            if name in self._loaded and not load_inplace:
-                raise InvalidRequest(
-                    f"The lora adapter '{name}' has already been loaded. If you want to load "
-                    "the adapter in place, set 'load_inplace' to True.",
-                    "lora_name",
-                )
-            return await self._install(name, lora_path, config, path, version, "lora_path")
 
     async def load_tensors(
         self,
@@ -204,7 +209,8 @@ class AdapterRegistry:
             )
 
     def _checked_path(self, lora_path: str) -> Path:
-        """The adapter directory, resolved; under an allowed root when the operator named any."""
+        """The adapter directory, resolved; under an allowed root when the operator named any
+        (the files in it are checked again as they are opened: a symlink may lead out)."""
         try:
             path = Path(os.path.realpath(lora_path))
         except (OSError, ValueError) as exc:
@@ -222,7 +228,7 @@ class AdapterRegistry:
         name: str,
         path: str,
         config: dict[str, Any],
-        source: Path | AdapterTensors,
+        source: AdapterTensors,
         version: str | None,
         param: str,
     ) -> Adapter:
