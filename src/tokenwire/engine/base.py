@@ -315,9 +315,10 @@ class AdapterEngine(Protocol):
     which versions live and counts them against ``--max-loras``; an engine keeps one spare slot
     beyond that for the version a load replaces, which leaves right after."""
 
-    async def load_adapter(self, adapter: AdapterVersion, source: Path | AdapterTensors) -> None:
-        """Load a PEFT adapter from its directory or from memory under ``adapter``;
-        ``WeightsError`` if it does not fit, and nothing changes."""
+    async def load_adapter(self, adapter: AdapterVersion, source: AdapterTensors) -> None:
+        """Load a PEFT adapter (read and checked against the allowed paths by the registry,
+        from its directory or a trainer's memory) under ``adapter``; ``WeightsError`` if it
+        does not fit, and nothing changes."""
         ...
 
     async def unload_adapter(self, adapter: AdapterVersion) -> None:

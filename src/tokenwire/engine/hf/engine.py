@@ -352,13 +352,9 @@ class HFEngine:
         """Forget every cached block (always succeeds: running rows keep their own KV)."""
         return bool(await self._command(ResetPrefixCache))
 
-    async def load_adapter(self, adapter: AdapterVersion, source: Path | AdapterTensors) -> None:
-        """Read and check the adapter on a worker thread, then put it in a slot between steps."""
-        slots = self._adapter_slots()
-        if isinstance(source, AdapterTensors):
-            weights = await asyncio.to_thread(slots.check, source)
-        else:
-            weights = await asyncio.to_thread(slots.read, Path(source))
+    async def load_adapter(self, adapter: AdapterVersion, source: AdapterTensors) -> None:
+        """Check the adapter on a worker thread, then put it in a slot between steps."""
+        weights = await asyncio.to_thread(self._adapter_slots().check, source)
         await self._command(lambda reply: LoadAdapter(adapter, weights, reply))
 
     def check_adapter_update(

@@ -54,7 +54,7 @@ class _LoadedAdapter:
     """An adapter version resident in vLLM, under its own LoRA id."""
 
     request: Any  # vLLM's LoRARequest
-    written: Path | None  # the directory an adapter sent from memory was written to
+    written: Path  # the directory it was written to for vLLM's workers
 
 
 class VLLMEngine:
@@ -98,7 +98,7 @@ class VLLMEngine:
             self.features = self.features | {"lora"}
         # The adapter versions vLLM holds, by ``AdapterVersion.id`` (vLLM's LoRA id too).
         self._adapters: dict[int, _LoadedAdapter] = {}
-        # Adapters sent from memory are written where vLLM's workers read them, one directory
+        # Adapters are written where vLLM's workers read them, one directory
         # per load, kept while vLLM holds that load.
         self._adapter_root: tempfile.TemporaryDirectory[str] | None = None
         self.max_model_len = max_model_len or 0  # vLLM's value once started
@@ -305,23 +305,20 @@ class VLLMEngine:
         self._require_running()
         return bool(await self._llm.reset_prefix_cache())
 
-    async def load_adapter(self, adapter: AdapterVersion, source: Path | AdapterTensors) -> None:
+    async def load_adapter(self, adapter: AdapterVersion, source: AdapterTensors) -> None:
         """vLLM's ``add_lora`` under the version's own LoRA id, so that a replaced version keeps
         serving the requests that started under it (vLLM's ``load_inplace`` would swap their
-        weights) and its prefix-cache blocks (keyed by LoRA name and path) serve no other."""
+        weights) and its prefix-cache blocks (keyed by LoRA name and path) serve no other. The
+        adapter is written where vLLM's workers read it (the registry read and checked it)."""
         from vllm.lora.request import LoRARequest
 
         self._require_running()
-        written = None
-        if isinstance(source, AdapterTensors):
-            written = await asyncio.to_thread(self._write_adapter, source)
-        path = written or source
-        request = LoRARequest(f"{adapter.name}#{adapter.id}", adapter.id, str(path))
+        written = await asyncio.to_thread(self._write_adapter, source)
+        request = LoRARequest(f"{adapter.name}#{adapter.id}", adapter.id, str(written))
         try:
             await self._llm.add_lora(request)
         except Exception as exc:
-            if written is not None:
-                shutil.rmtree(written, ignore_errors=True)
+            shutil.rmtree(written, ignore_errors=True)
             raise WeightsError(f"vLLM did not load the adapter: {exc}") from exc
         self._adapters[adapter.id] = _LoadedAdapter(request, written)
 
@@ -336,8 +333,7 @@ class VLLMEngine:
         loaded = self._adapters.pop(adapter.id, None)
         if loaded is None:
             return
-        if loaded.written is not None:
-            shutil.rmtree(loaded.written, ignore_errors=True)
+        shutil.rmtree(loaded.written, ignore_errors=True)
         if self.is_ready():  # a stopped engine holds nothing
             await self._llm.remove_lora(adapter.id)
 
