@@ -277,8 +277,8 @@ def test_trl_bodies_packed_and_skyrl_bodies(
 def test_update_weights_from_tensor_takes_safetensors_never_pickles(
     rl: httpx.Client, base_dir: Path, prompt_ids: list[int]
 ) -> None:
-    """SGLang's tensors in the body: base64 safetensors load at once (a misfit is a 400 and
-    generation goes on); SGLang's default pickles are refused, never unpickled."""
+    """SGLang's tensors in the body: base64 safetensors load at once (a misfit or NaN is a 400
+    and generation goes on); SGLang's default pickles are refused, never unpickled."""
     from safetensors.torch import save
 
     name, param = base_params(base_dir)[-1]
@@ -291,7 +291,12 @@ def test_update_weights_from_tensor_takes_safetensors_never_pickles(
     misfit = base64.b64encode(save({name: param[:2].contiguous()})).decode()
     body = {"serialized_named_tensors": [misfit], "load_format": "safetensors"}
     assert_error(rl.post("/update_weights_from_tensor", json=body), 400, "shape")
-    assert greedy(rl, prompt_ids)["finish_reason"] in ("stop", "length")
+    poisoned = param.clone()
+    poisoned.view(-1)[0] = float("nan")
+    nan = base64.b64encode(save({name: poisoned.contiguous()})).decode()
+    body = {"serialized_named_tensors": [nan], "load_format": "safetensors"}
+    assert_error(rl.post("/update_weights_from_tensor", json=body), 400, "NaN or infinite")
+    assert_parity(greedy(rl, prompt_ids), base_dir, prompt_ids)  # the old weights stay
 
 
 def test_a_trainer_killed_mid_broadcast_then_a_complete_update(

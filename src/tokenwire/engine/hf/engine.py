@@ -60,7 +60,7 @@ from tokenwire.engine.hf.prefix_cache import salt_key
 from tokenwire.engine.hf.runner import ModelRunner
 from tokenwire.engine.hf.scheduler import Scheduler
 from tokenwire.engine.hf.weight_receiver import WeightReceiver
-from tokenwire.engine.weight_rules import check_tensors
+from tokenwire.engine.weight_rules import check_finite, check_tensors
 from tokenwire.weight_transfer import TensorMeta
 
 logger = logging.getLogger(__name__)
@@ -338,6 +338,7 @@ class HFEngine:
     async def copy_weights(self, tensors: dict[str, Any]) -> None:
         runner = self._runner
         check_tensors(runner.layout, ((n, t.dtype, tuple(t.shape)) for n, t in tensors.items()))
+        check_finite(tensors, allow_nonfinite=self.allow_nonfinite_weights)
 
         def copy() -> None:
             for name, tensor in tensors.items():

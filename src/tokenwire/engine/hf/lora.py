@@ -22,8 +22,8 @@ import torch
 
 from tokenwire import adapter_files
 from tokenwire.engine.base import AdapterTensors, WeightsError
-from tokenwire.engine.checkpoint import all_finite
 from tokenwire.engine.lora_rules import check_config, check_factor, check_update
+from tokenwire.engine.weight_rules import all_finite
 from tokenwire.weight_transfer import TensorMeta
 
 

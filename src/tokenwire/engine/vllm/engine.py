@@ -43,7 +43,7 @@ from tokenwire.engine.lora_rules import check_update
 from tokenwire.engine.vllm.config import engine_args, sampling_params
 from tokenwire.engine.vllm.outputs import OutputState
 from tokenwire.engine.vllm.weights import check_fits, checkpoint_layout
-from tokenwire.engine.weight_rules import Layout, check_tensors
+from tokenwire.engine.weight_rules import Layout, check_finite, check_tensors
 from tokenwire.weight_transfer import TensorMeta, dtype_name, safetensors_bytes
 
 logger = logging.getLogger(__name__)
@@ -404,6 +404,7 @@ class VLLMEngine:
         self.check_weight_update(
             [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
         )
+        check_finite(tensors, allow_nonfinite=self.allow_nonfinite_weights)
         # vLLM's RPCs turn tensors into nested lists: they travel as one safetensors file.
         data = await asyncio.to_thread(safetensors_bytes, tensors)
         self._waiting = set(await self._rpc("tokenwire_copy_weights", data=data))
