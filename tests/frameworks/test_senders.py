@@ -1,0 +1,227 @@
+"""The RL frameworks' own weight senders, run unmodified on CPU (gloo) against a real tokenwire
+server: skyrl-train's ``BroadcastTransferStrategy``, AReaL's remote SGLang and vLLM engines, a
+plain ``init_process_group`` trainer and tokenwire's ``WeightSender``. Each sender is a trainer
+process (one AdamW step of SmolLM2) that updates the server while a request is in flight; then
+the server's greedy ids and logprobs equal a transformers forward of the trained weights
+(1e-4), and every token names the weights it came from. ``make test-frameworks`` installs the
+frameworks' wheels into ``.venv-frameworks``; elsewhere this module is skipped."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("skyrl_train", reason="the framework wheels: make test-frameworks")
+pytest.importorskip("areal", reason="the framework wheels: make test-frameworks")
+
+from tests.conftest import Server
+from tests.test_rl_control import PROMPT, Stream, ok
+from tests.test_weight_transfer import assert_parity, greedy
+from tokenwire.assets import prepare
+
+HELD_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def base_dir() -> Path:
+    return prepare("smollm2-135m-instruct")
+
+
+@pytest.fixture
+def server(frameworks_server: Server, base_dir: Path) -> Iterator[httpx.Client]:
+    """The server with the base weights, named "base", running: each trainer's step starts
+    from them, so parity after an update shows the update came in."""
+    with frameworks_server.client() as client:
+        reload = {"weight_dir": str(base_dir), "weight_version": "base"}
+        ok(client.post("/update_weights", json=reload))
+        ok(client.post("/resume"))
+        yield client
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(frameworks_server: Server) -> list[int]:
+    with frameworks_server.client() as client:
+        return ok(client.post("/tokenize", json={"messages": PROMPT}))["tokens"]
+
+
+class TrainerProcess:
+    """A sender's process: ``ready`` once its group is formed, then it sends on ``go()``."""
+
+    def __init__(self, module: str, *args: str) -> None:
+        command = [sys.executable, "-m", module, *args]
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self.process.stdout is not None and self.process.stdin is not None
+        self.stdin, self.stdout = self.process.stdin, self.process.stdout
+
+    def __enter__(self) -> TrainerProcess:
+        self.expect("ready")
+        return self
+
+    def expect(self, word: str) -> None:
+        """Read up to ``word`` on a line of its own (AReaL logs to stdout too)."""
+        for line in self.stdout:
+            if line.strip() == word:
+                return
+        raise AssertionError(f"the trainer exited before {word!r}: {self.process.wait()}")
+
+    def go(self) -> None:
+        self.stdin.write("go\n")
+        self.stdin.flush()
+
+    def sent(self) -> None:
+        self.expect("sent")
+        assert self.process.wait(60) == 0
+
+    def __exit__(self, *exc: object) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def assert_held_across(held: Stream, versions: list[str]) -> None:
+    """The request frozen by the update's pause finished, its tokens named by the weights of
+    each side: the old ones, then the new."""
+    final = held.final()
+    assert final["finish_reason"] == "length"
+    assert len(held.tokens()) == HELD_TOKENS
+    spans = final["weight_versions"]
+    assert [span["version"] for span in spans] == versions
+    assert spans[0]["start"] == 0 and spans[-1]["end"] == HELD_TOKENS
+    assert all(a["end"] == b["start"] for a, b in itertools.pairwise(spans))
+
+
+def assert_updated(client: httpx.Client, trained: Path, prompt: list[int], version: str) -> None:
+    choice = greedy(client, prompt)
+    assert choice["weight_versions"] == [{"version": version, "start": 0, "end": 8}]
+    assert_parity(choice, trained, prompt)
+
+
+def test_skyrl_train_broadcast_strategy(
+    frameworks_server: Server,
+    server: httpx.Client,
+    base_dir: Path,
+    prompt_ids: list[int],
+    tmp_path: Path,
+) -> None:
+    """skyrl-train's remote SGLang engine and ``BroadcastWeightTransferSender``: its group
+    ("skyrl"), one ``/update_weights_from_distributed`` per weight without a group_name, and
+    ``/destroy_weights_update_group`` with no body. skyrl-train neither pauses a remote engine
+    nor names versions (its ``pause_generation`` aborts, which remote engines do not
+    implement): the test pauses (keep) and names the version, as an orchestrator would."""
+    trained = tmp_path / "trained"
+    address = f"127.0.0.1:{frameworks_server.port}"
+    args = (str(base_dir), str(trained), address)
+    with TrainerProcess("tests.frameworks.skyrl_trainer", *args) as trainer:
+        held = Stream(frameworks_server, prompt_ids, max_tokens=HELD_TOKENS, ignore_eos=True)
+        held.wait_for_tokens(2)
+        ok(server.post("/pause", params={"mode": "keep"}))
+        trainer.go()
+        trainer.sent()
+    ok(server.post("/update_weight_version", json={"new_version": "skyrl-1"}))
+    ok(server.post("/resume"))
+    assert_held_across(held, ["base", "skyrl-1"])
+    assert_updated(server, trained, prompt_ids, "skyrl-1")
+
+
+def test_areal_remote_sglang_engine(
+    frameworks_server: Server,
+    server: httpx.Client,
+    base_dir: Path,
+    prompt_ids: list[int],
+    tmp_path: Path,
+) -> None:
+    """AReaL's ``RemoteSGLangEngine``: ``/init_weights_update_group`` (the port a string),
+    ``/pause_generation`` with no mode (SGLang's abort), one ``/update_weights_from_distributed``
+    per bucket, ``/continue_generation``. A request in flight is aborted with its tokens so far,
+    all of the old weights; AReaL resubmits prompt + those tokens (``agenerate``), and the
+    continuation is the new weights'."""
+    trained = tmp_path / "trained"
+    address = f"127.0.0.1:{frameworks_server.port}"
+    args = ("sglang", str(base_dir), str(trained), address, "areal-1")
+    with TrainerProcess("tests.frameworks.areal_trainer", *args) as trainer:
+        held = Stream(frameworks_server, prompt_ids, max_tokens=500, ignore_eos=True)
+        held.wait_for_tokens(2)
+        trainer.go()
+        trainer.sent()
+    final = held.final()
+    assert final["finish_reason"] == "abort"
+    partial = held.tokens()
+    assert 2 <= len(partial) < 500
+    assert final["weight_versions"] == [{"version": "base", "start": 0, "end": len(partial)}]
+    assert not ok(server.get("/is_paused"))["is_paused"]
+    assert_updated(server, trained, prompt_ids + partial, "areal-1")
+
+
+def test_areal_remote_vllm_engine(
+    frameworks_server: Server,
+    server: httpx.Client,
+    base_dir: Path,
+    prompt_ids: list[int],
+    tmp_path: Path,
+) -> None:
+    """AReaL's ``RemotevLLMEngine``: its vLLM server's own routes (``/areal_*``), otherwise as
+    the SGLang engine."""
+    routes = ok(server.get("/openapi.json"))["paths"]
+    if "/areal_init_weights_update_group" not in routes:
+        pytest.skip("tokenwire serves no /areal_init_weights_update_group (AReaL's vLLM routes)")
+    trained = tmp_path / "trained"
+    address = f"127.0.0.1:{frameworks_server.port}"
+    args = ("vllm", str(base_dir), str(trained), address, "areal-vllm-1")
+    with TrainerProcess("tests.frameworks.areal_trainer", *args) as trainer:
+        held = Stream(frameworks_server, prompt_ids, max_tokens=500, ignore_eos=True)
+        held.wait_for_tokens(2)
+        trainer.go()
+        trainer.sent()
+    final = held.final()
+    assert final["finish_reason"] == "abort"
+    partial = held.tokens()
+    assert final["weight_versions"] == [{"version": "base", "start": 0, "end": len(partial)}]
+    assert_updated(server, trained, prompt_ids + partial, "areal-vllm-1")
+
+
+def test_a_plain_init_process_group_trainer(
+    frameworks_server: Server,
+    server: httpx.Client,
+    base_dir: Path,
+    prompt_ids: list[int],
+    tmp_path: Path,
+) -> None:
+    """``init_process_group`` + ``dist.broadcast`` and vLLM's four phases over plain HTTP:
+    ``start_weight_update`` pauses (keep), ``finish_weight_update`` names the version and
+    resumes."""
+    trained = tmp_path / "trained"
+    args = (str(base_dir), str(trained), "plain-1", frameworks_server.url)
+    with TrainerProcess("tests.frameworks.plain_trainer", *args) as trainer:
+        held = Stream(frameworks_server, prompt_ids, max_tokens=HELD_TOKENS, ignore_eos=True)
+        held.wait_for_tokens(2)
+        trainer.go()
+        trainer.sent()
+    assert_held_across(held, ["base", "plain-1"])
+    assert_updated(server, trained, prompt_ids, "plain-1")
+
+
+def test_tokenwire_weight_sender(
+    frameworks_server: Server,
+    server: httpx.Client,
+    base_dir: Path,
+    prompt_ids: list[int],
+    tmp_path: Path,
+) -> None:
+    """``tokenwire.client.weights.WeightSender`` (``tests.weight_trainer``'s step mode): it
+    pauses (keep), sends, names the version and resumes."""
+    trained = tmp_path / "trained"
+    args = ("step", str(base_dir), str(trained), "sender-1", "", frameworks_server.url)
+    with TrainerProcess("tests.weight_trainer", *args) as trainer:
+        held = Stream(frameworks_server, prompt_ids, max_tokens=HELD_TOKENS, ignore_eos=True)
+        held.wait_for_tokens(2)
+        trainer.go()
+        trainer.sent()
+    assert_held_across(held, ["base", "sender-1"])
+    assert_updated(server, trained, prompt_ids, "sender-1")
