@@ -1,6 +1,7 @@
 """The RL frameworks' own weight senders, run unmodified on CPU (gloo) against a real tokenwire
-server: skyrl-train's ``BroadcastTransferStrategy``, AReaL's remote SGLang and vLLM engines, a
-plain ``init_process_group`` trainer and tokenwire's ``WeightSender``. Each sender is a trainer
+server: skyrl-train's ``BroadcastTransferStrategy``, AReaL's remote SGLang and vLLM engines, and
+a plain ``init_process_group`` trainer (tokenwire's ``WeightSender`` is tested in the main
+suite, ``test_weight_transfer``). Each sender is a trainer
 process (one AdamW step of SmolLM2) that updates the server while a request is in flight; then
 the server's greedy ids and logprobs equal a transformers forward of the trained weights
 (1e-4), and every token names the weights it came from. ``make test-frameworks`` installs the
@@ -205,23 +206,3 @@ def test_a_plain_init_process_group_trainer(
         trainer.sent()
     assert_held_across(held, ["base", "plain-1"])
     assert_updated(server, trained, prompt_ids, "plain-1")
-
-
-def test_tokenwire_weight_sender(
-    frameworks_server: Server,
-    server: httpx.Client,
-    base_dir: Path,
-    prompt_ids: list[int],
-    tmp_path: Path,
-) -> None:
-    """``tokenwire.client.weights.WeightSender`` (``tests.weight_trainer``'s step mode): it
-    pauses (keep), sends, names the version and resumes."""
-    trained = tmp_path / "trained"
-    args = ("step", str(base_dir), str(trained), "sender-1", "", frameworks_server.url)
-    with TrainerProcess("tests.weight_trainer", *args) as trainer:
-        held = Stream(frameworks_server, prompt_ids, max_tokens=HELD_TOKENS, ignore_eos=True)
-        held.wait_for_tokens(2)
-        trainer.go()
-        trainer.sent()
-    assert_held_across(held, ["base", "sender-1"])
-    assert_updated(server, trained, prompt_ids, "sender-1")
