@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenwire.api.asgi import has_lone_surrogate
@@ -14,6 +14,7 @@ from tokenwire.api.asgi import has_lone_surrogate
 PIECES = [
     "a",
     "ud800",
+    "ud83d",
     "\\\\",
     "\\ud83d",
     "\\uD83D",
@@ -39,6 +40,7 @@ def parsed_has_lone_surrogate(body: bytes) -> bool:
     return False
 
 
+@settings(max_examples=500)
 @given(st.lists(st.sampled_from(PIECES), max_size=12))
 def test_agrees_with_the_json_parser(pieces: list[str]) -> None:
     body = ('{"text": "' + "".join(pieces) + '"}').encode()
@@ -52,3 +54,5 @@ def test_lone_surrogates_are_found_and_pairs_accepted() -> None:
     assert not has_lone_surrogate(json.dumps({"text": "flamingo \U0001f9a9"}).encode())
     assert not has_lone_surrogate(b'{"text": "\\uD83E\\uDDA9 \\\\ud800"}')
     assert not has_lone_surrogate(b'{"ids": [1, 2, 3], "text": "\\u4e2d\\u6587"}')
+    # An escaped backslash, then text that looks like a high half: the low escape is alone.
+    assert has_lone_surrogate(b'{"text": "\\\\ud83d\\ude00"}')
