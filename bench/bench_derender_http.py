@@ -225,7 +225,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--stream-repeat", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: does it run")
     args = parser.parse_args()
+    if args.smoke:
+        args.tokens, args.repeat, args.stream_repeat = 256, 1, 1
 
     from transformers import AutoTokenizer
 
