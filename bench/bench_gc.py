@@ -157,7 +157,9 @@ def main() -> None:
     for kind in bodies:
         values = [med(samples[(kind, name)]) * 1e6 for name in names]
         cells = " | ".join(f"{value:,.0f}" for value in values)
-        print(f"| {kind} | {cells} | {values[0] / values[1]:.2f}x |")
+        # A smoke run's CPU time can be below /proc's 10 ms tick (0).
+        ratio = f"{values[0] / values[1]:.2f}x" if values[1] else "n/a"
+        print(f"| {kind} | {cells} | {ratio} |")
 
 
 if __name__ == "__main__":
