@@ -42,9 +42,10 @@ test: lint
 	$(PY) -m pytest
 
 # The model-free part: everything above the engine on a scripted fake engine (tests/fake_engine.py)
-# and the unit tests; tests that run or build a real model are marked ``model`` (tests/conftest.py).
+# and the unit tests; tests that run or build a real model are marked ``model`` (tests/conftest.py),
+# the benchmarks' smoke runs ``bench`` (tests/test_bench_smoke.py: minutes, not seconds).
 test-fast: install
-	$(PY) -m pytest -m "not model"
+	$(PY) -m pytest -m "not model and not bench"
 
 bench: install
 	$(PY) bench/bench_render.py
@@ -52,6 +53,8 @@ bench: install
 	$(PY) bench/bench_derender.py
 	$(PY) bench/bench_derender_http.py
 	$(PY) bench/bench_pipeline_http.py
+	$(PY) bench/bench_frontend_idle.py
+	$(PY) bench/bench_body_checks.py
 	$(PY) bench/bench_gc.py
 	$(PY) bench/bench_generate.py
 	$(PY) bench/bench_prefill_flood.py

@@ -204,7 +204,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--baseline-repeat", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: does it run")
     args = parser.parse_args()
+    if args.smoke:
+        args.tokens, args.repeat, args.baseline_repeat = 512, 1, 1
 
     tokenizer = Tokenizer.load(prepare("qwen3-tiny"))
     start = time.perf_counter()

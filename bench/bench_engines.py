@@ -90,24 +90,25 @@ def output_tokens(choices: list[Any]) -> int:
 Workload = Callable[[httpx.AsyncClient], Awaitable[int]]
 
 
-def workloads(prompts: list[list[int]]) -> dict[str, Workload]:
+def workloads(prompts: list[list[int]], tokens: int = 128) -> dict[str, Workload]:
+    """The workloads by name, their requests ``tokens`` long (GRPO's half, a turn's a quarter)."""
     rng = random.Random(0)
     grpo_prompts = [[rng.randrange(100, 40000) for _ in range(512)] for _ in range(8)]
     user_turn = prompts[0][-24:]  # a user message's worth of ids, appended each turn
 
     async def concurrent(client: httpx.AsyncClient, count: int) -> int:
-        done = await asyncio.gather(*(generate(client, prompts[i], 128) for i in range(count)))
+        done = await asyncio.gather(*(generate(client, prompts[i], tokens) for i in range(count)))
         return sum(map(output_tokens, done))
 
     async def grpo(client: httpx.AsyncClient) -> int:
-        done = await asyncio.gather(*(generate(client, p, 64, n=8) for p in grpo_prompts))
+        done = await asyncio.gather(*(generate(client, p, tokens // 2, n=8) for p in grpo_prompts))
         return sum(map(output_tokens, done))
 
     async def multi_turn(client: httpx.AsyncClient) -> int:
         async def conversation(prompt: list[int]) -> int:
             total = 0
             for _ in range(4):
-                choices = await generate(client, prompt, 32)
+                choices = await generate(client, prompt, tokens // 4)
                 total += output_tokens(choices)
                 prompt = prompt + choices[0]["token_ids"] + user_turn
             return total
@@ -188,10 +189,13 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-limit", action="store_true", help="no static batch")
     parser.add_argument("--src", type=Path, default=SRC, help="the tree the servers run")
+    parser.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: does it run")
     args = parser.parse_args()
+    if args.smoke:  # one request of 8 tokens per server, no static batch
+        args.only, args.skip_limit = "1x128", True
     model_dir = Path(prepare(MODEL))
     prompts = chat_prompts(model_dir, 64)
-    chosen = workloads(prompts)
+    chosen = workloads(prompts, 8 if args.smoke else 128)
     if args.only:
         chosen = {k: v for k, v in chosen.items() if k in args.only.split(",")}
     env = {**os.environ, "PYTHONPATH": f"{args.src}:{os.environ.get('PYTHONPATH', '')}"}

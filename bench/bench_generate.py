@@ -126,7 +126,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=None, help="output tokens per request")
     parser.add_argument("--sequential-requests", type=int, default=None)
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: does it run")
     args = parser.parse_args()
+    if args.smoke:
+        args.sizes, args.tokens, args.sequential_requests = "2", 4, 1
     sizes = [int(s) for s in (args.sizes or ("1,8,32" if args.quick else "1,8,32,64")).split(",")]
     tokens = args.tokens or (32 if args.quick else 128)
     seq_requests = args.sequential_requests or (3 if args.quick else 4)

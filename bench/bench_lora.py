@@ -66,7 +66,11 @@ async def batch(url: str, models: list[str | None]) -> tuple[int, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: does it run")
     args = parser.parse_args()
+    if args.smoke:
+        global BATCH, OUTPUT_TOKENS  # the shape every helper reads
+        args.rounds, BATCH, OUTPUT_TOKENS = 1, ADAPTERS, 4
     model_dir = prepare("smollm2-135m-instruct")
     shapes: dict[str, list[str | None]] = {
         "base model": [None] * BATCH,

@@ -148,7 +148,10 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=448, help="image side in pixels")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: does it run")
     args = parser.parse_args()
+    if args.smoke:
+        args.size, args.requests, args.clients = 64, 4, 2
 
     image = noise_png(args.size)
     with media_server(image) as url:

@@ -49,7 +49,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--images", type=int, default=12)
     parser.add_argument("--size", type=int, default=5000)
+    parser.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: does it run")
     args, server_args = parser.parse_known_args()
+    if args.smoke:
+        args.images, args.size = 1, 256
     server_args = [a for a in server_args if a != "--"]
 
     images = [flat_png(args.size, i) for i in range(args.images)]

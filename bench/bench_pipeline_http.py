@@ -1,13 +1,15 @@
-"""The pipeline's cost per output token over HTTP, above an engine that costs nothing.
+"""The pipeline's cost per output token over HTTP, above an engine that costs next to nothing.
 
 The real app (tokenizer, template, decoder, job, dialects, middleware, uvicorn) serves SmolLM2's
-tokenizer over ``InstantEngine``, which answers every request at once, one token per output with
-``k`` alternatives: what is left is what the pipeline spends per token (job, choice state,
-decoding, stop strings, logprob JSON, SSE). Each tree named by ``--tree`` (a checkout, e.g. the
-branch point in a git worktree) is served the same way, and the trees are measured interleaved,
-so their ratio holds on a loaded machine.
+tokenizer over the project's fake engine (``tests/fake_engine.py``), scripted to answer every
+request at once, one token per output with the alternatives it makes up: what is left is what
+the pipeline spends per token (job, choice state, decoding, stop strings, logprob JSON, SSE).
+Each tree named by ``--tree`` (a checkout, e.g. the branch point in a git worktree) is served the
+same way, its own fake engine included, and the trees are measured interleaved, so their ratio
+holds on a loaded machine. A request that fails (an error status, an error event in a stream)
+exits 1.
 
-Usage: ``python bench/bench_pipeline_http.py [--tree OTHER_CHECKOUT] [--rounds 3]``.
+Usage: ``python bench/bench_pipeline_http.py [--tree OTHER_CHECKOUT] [--rounds 3] [--smoke]``.
 """
 
 from __future__ import annotations
@@ -16,173 +18,105 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
-import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
+from serverbench import ServerProcess, cpu_seconds, free_port, serve_fake_engine, tree_env
 
 HERE = Path(__file__).resolve().parent
 TOKENS = 256
 CLIENTS = 8
 REQUESTS = 48
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-class InstantEngine:
-    """The ``Engine`` protocol at no cost: token ids cycled from a fixed text, one per output."""
-
-    model_name = "instant"
-    weight_version = "default"
-    dtype = "torch.float32"
-    logprobs_mode = "raw_logprobs"
-
-    def __init__(self, model_dir: Path, **_: Any) -> None:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(model_dir)
-        self.vocab_size = int(config.vocab_size)
-        self.max_model_len = 8192
-        self.eos_token_ids = (2,)
-        self.cycle = [504, 3575, 282, 4649, 314, 7042, 30, 198]  # "The capital of France is..."
-
-    async def start(self) -> None: ...
-
-    def is_ready(self) -> bool:
-        return True
-
-    def stats(self) -> Any:
-        from tokenwire.engine.base import EngineStats
-
-        return EngineStats(running=0, waiting=0, max_num_seqs=64)
-
-    async def generate(
-        self, request_id: str, prompt: list[int], sampling: Any, media: Any = None
-    ) -> AsyncIterator[Any]:
-        from tokenwire.engine.base import EngineOutput, TokenLogprob
-
-        k = sampling.logprobs
-        for position in range(sampling.max_tokens):
-            token = self.cycle[position % len(self.cycle)]
-            logprobs = None
-            if k is not None:
-                top = tuple((t, -0.1 * (r + 1)) for r, t in enumerate(range(100, 100 + k)))
-                logprobs = [TokenLogprob(token, -0.5, 3, top)]
-            last = position + 1 == sampling.max_tokens
-            yield EngineOutput(
-                [token],
-                logprobs=logprobs,
-                finish_reason="length" if last else None,
-                num_prompt_tokens=len(prompt) if position == 0 else 0,
-            )
-            await asyncio.sleep(0)
-
-    async def abort(self, request_id: str) -> bool:
-        return False
-
-    async def shutdown(self) -> None: ...
-
-    def is_paused(self) -> bool:
-        return False
+CYCLE = [504, 3575, 282, 4649, 314, 7042, 30, 198]  # "The capital of France is..."
 
 
 def serve(port: int) -> None:
-    """Run the app of the tokenwire on ``sys.path`` over ``InstantEngine``."""
-    import uvicorn
+    """Serve the tokenwire on ``sys.path`` over its fake engine, cycling ``CYCLE``."""
+    import itertools
 
-    import tokenwire.api.app as app_module
-    from tokenwire.settings import parse_serve_args
+    from tests.fake_engine import FakeEngine
 
-    app_module.create_engine = lambda kind, model_dir, **kw: InstantEngine(model_dir)
-    settings = parse_serve_args(["--port", str(port), "--log-level", "warning"])
-    uvicorn.run(app_module.create_app(settings), port=port, log_level="warning")
+    def make_engine(view: Path) -> FakeEngine:
+        engine = FakeEngine.for_model(view)
+        engine.script = lambda *_: itertools.cycle(CYCLE)
+        return engine
 
-
-WORKLOADS: dict[str, tuple[str, dict[str, Any]]] = {
-    "generate, top-5": (
-        "/inference/v1/generate",
-        {"token_ids": [1, 9690, 198], "sampling_params": {"max_tokens": TOKENS, "logprobs": 5}},
-    ),
-    "generate streamed": (
-        "/inference/v1/generate",
-        {"token_ids": [1, 9690, 198], "stream": True, "sampling_params": {"max_tokens": TOKENS}},
-    ),
-    "chat, top-5, stop string": (
-        "/v1/chat/completions",
-        {
-            "messages": PARIS,
-            "max_tokens": TOKENS,
-            "logprobs": True,
-            "top_logprobs": 5,
-            "stop": ["\n\n\n"],
-        },
-    ),
-    "chat streamed": (
-        "/v1/chat/completions",
-        {"messages": PARIS, "max_tokens": TOKENS, "stream": True},
-    ),
-}
+    serve_fake_engine(port, make_engine)
 
 
-class Server:
-    def __init__(self, tree: Path) -> None:
-        from serverbench import free_port
+def workloads(tokens: int) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Name -> (path, body), each request ``tokens`` output tokens long."""
+    return {
+        "generate, top-5": (
+            "/inference/v1/generate",
+            {"token_ids": [1, 9690, 198], "sampling_params": {"max_tokens": tokens, "logprobs": 5}},
+        ),
+        "generate streamed": (
+            "/inference/v1/generate",
+            {
+                "token_ids": [1, 9690, 198],
+                "stream": True,
+                "sampling_params": {"max_tokens": tokens},
+            },
+        ),
+        "chat, top-5, stop string": (
+            "/v1/chat/completions",
+            {
+                "messages": PARIS,
+                "max_tokens": tokens,
+                "logprobs": True,
+                "top_logprobs": 5,
+                "stop": ["\n\n\n"],
+            },
+        ),
+        "chat streamed": (
+            "/v1/chat/completions",
+            {"messages": PARIS, "max_tokens": tokens, "stream": True},
+        ),
+    }
 
-        self.tree = tree
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}:{HERE}"}
-        command = [sys.executable, str(HERE / "bench_pipeline_http.py"), "--serve", str(self.port)]
-        self.process = subprocess.Popen(command, env=env)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server of {tree} did not start")
-            time.sleep(0.3)
 
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=20)
+def start_server(tree: Path) -> ServerProcess:
+    port = free_port()
+    command = [sys.executable, str(HERE / "bench_pipeline_http.py"), "--serve", str(port)]
+    return ServerProcess(command, port, env=tree_env(tree))
 
 
-async def load(url: str, path: str, body: dict[str, Any]) -> int:
-    """``REQUESTS`` requests from ``CLIENTS`` clients; the output tokens they got."""
+async def load(url: str, path: str, body: dict[str, Any], requests: int, tokens: int) -> int:
+    """``requests`` requests of ``tokens`` tokens from ``CLIENTS`` clients; the tokens got."""
     payload = orjson.dumps(body)
-    queue = list(range(REQUESTS))
-    tokens = 0
+    queue = list(range(requests))
+    got = 0
 
     async def client(http: httpx.AsyncClient) -> None:
-        nonlocal tokens
+        nonlocal got
         while queue:
             queue.pop()
             response = await http.post(
                 url + path, content=payload, headers={"content-type": "application/json"}
             )
             response.raise_for_status()
-            tokens += TOKENS
+            if body.get("stream") and b'"error"' in response.content:
+                raise RuntimeError(f"{path} streamed an error: {response.text[-300:]}")
+            got += tokens
 
     async with httpx.AsyncClient(timeout=120) as http:
         await asyncio.gather(*(client(http) for _ in range(CLIENTS)))
-    return tokens
+    return got
 
 
-def measure(server: Server, path: str, body: dict[str, Any]) -> float:
+def measure(
+    server: ServerProcess, path: str, body: dict[str, Any], requests: int, tokens: int
+) -> float:
     """Server CPU microseconds per output token."""
-    from serverbench import cpu_seconds
-
-    asyncio.run(load(server.url, path, body))  # warm-up
+    asyncio.run(load(server.url, path, body, CLIENTS, tokens))  # warm-up
     before = cpu_seconds(server.process.pid)
-    tokens = asyncio.run(load(server.url, path, body))
-    return (cpu_seconds(server.process.pid) - before) / tokens * 1e6
+    got = asyncio.run(load(server.url, path, body, requests, tokens))
+    return (cpu_seconds(server.process.pid) - before) / got * 1e6
 
 
 def main() -> None:
@@ -190,20 +124,25 @@ def main() -> None:
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--tree", type=Path, help="another checkout to measure beside this one")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: does it run")
     args = parser.parse_args()
     if args.serve:
         serve(args.serve)
         return
+    requests, tokens = (CLIENTS, 8) if args.smoke else (REQUESTS, TOKENS)
+    if args.smoke:
+        args.rounds = 1
     trees = {"this tree": HERE.parent}
     if args.tree:
         trees["--tree"] = args.tree.resolve()
-    servers = {name: Server(tree) for name, tree in trees.items()}
+    runs = workloads(tokens)
+    servers = {name: start_server(tree) for name, tree in trees.items()}
     try:
         results: dict[tuple[str, str], list[float]] = {}
         for _ in range(args.rounds):
-            for workload, (path, body) in WORKLOADS.items():
+            for workload, (path, body) in runs.items():
                 for name, server in servers.items():
-                    cost = measure(server, path, body)
+                    cost = measure(server, path, body, requests, tokens)
                     results.setdefault((workload, name), []).append(cost)
     finally:
         for server in servers.values():
@@ -212,7 +151,7 @@ def main() -> None:
         f"server CPU µs per output token, median of {args.rounds} (load average "
         f"{os.getloadavg()[0]:.1f})"
     )
-    for workload in WORKLOADS:
+    for workload in runs:
         row = {name: statistics.median(results[workload, name]) for name in trees}
         line = "  ".join(f"{name}: {value:7.1f}" for name, value in row.items())
         ratio = f"  ratio: {row['this tree'] / row['--tree']:.2f}x" if args.tree else ""

@@ -128,4 +128,8 @@ if __name__ == "__main__":
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-num-batched-tokens", type=int, default=0)
-    asyncio.run(main(parser.parse_args()))
+    parser.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: does it run")
+    args = parser.parse_args()
+    if args.smoke:
+        args.seconds, args.rounds = 2.0, 1
+    asyncio.run(main(args))

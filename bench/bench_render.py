@@ -132,7 +132,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=2000)
     parser.add_argument("--model-dir", type=Path, default=None, help="default: qwen3-tiny")
+    parser.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: does it run")
     args = parser.parse_args()
+    if args.smoke:
+        args.iterations = 10
 
     if args.model_dir is None:
         from tokenwire.assets import prepare

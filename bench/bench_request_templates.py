@@ -104,7 +104,10 @@ def main() -> None:
     parser.add_argument("--bad", type=int, default=8)
     parser.add_argument("--kinds", nargs="+", default=list(AMPLIFY), choices=list(AMPLIFY))
     parser.add_argument("--no-indent", action="store_true", help="skip indent(400000000)")
+    parser.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: does it run")
     args, server_args = parser.parse_known_args()
+    if args.smoke:
+        args.bad, args.kinds, args.no_indent = 1, list(AMPLIFY)[:1], True
     server_args = [a for a in server_args if a != "--"]
     port = free_port()
     command = tokenwire_command(

@@ -138,7 +138,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=None, help="GRPO prompts (default 8)")
     parser.add_argument("--rollouts", type=int, default=None, help="rollouts (default 8)")
     parser.add_argument("--vllm", action="store_true", help="vLLM's engine too (.venv-vllm)")
+    parser.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: does it run")
     args = parser.parse_args()
+    if args.smoke:
+        args.prompts, args.rollouts = 1, 1
     prompts = args.prompts or (4 if args.quick else 8)
     rollouts = args.rollouts or (4 if args.quick else 8)
     model_dir = Path(prepare("smollm2-135m-instruct"))

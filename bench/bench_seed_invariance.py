@@ -83,7 +83,10 @@ def main() -> None:
     parser.add_argument("--url", default=None, help="a running server instead of a new one")
     parser.add_argument("--log", type=Path, default=Path("/tmp/tokenwire-seed-bench.log"))
     parser.add_argument("server_args", nargs="*", help="extra `tokenwire serve` flags")
+    parser.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: does it run")
     args = parser.parse_args()
+    if args.smoke:
+        args.seeds, args.tokens = 1, 4
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     server = None

@@ -27,7 +27,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=6000)
     parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: does it run")
     args = parser.parse_args()
+    if args.smoke:
+        args.requests, args.clients = 32, 4
     model_dir = prepare("qwen3-tiny")
 
     def body(index: int) -> bytes:

@@ -289,7 +289,10 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", help="a subset of: vllm tw-vllm tw-hf")
     parser.add_argument("--parity", action="store_true", help="only the engines' parity check")
     parser.add_argument("--decode-only", action="store_true", help="start time and tok/s only")
+    parser.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: does it run")
     args = parser.parse_args()
+    if args.smoke:
+        args.quick, args.decode_only = True, True
     model_dir = prepare(MODEL)
     if args.parity:
         parity(model_dir)

@@ -119,7 +119,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    parser.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: does it run")
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.quick = 1, True
     engine_flags = VLLM_FLAGS if args.engine == "vllm" else ()
     base = prepare("smollm2-135m-instruct")
     with tempfile.TemporaryDirectory(prefix="tw-bench-weights-") as tmp:

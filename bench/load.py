@@ -278,7 +278,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1, help="load rounds (RSS after each)")
     parser.add_argument("--no-poison", action="store_true")
     parser.add_argument("--log", type=Path, default=Path("/tmp/tokenwire-load-server.log"))
+    parser.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: does it run")
     args = parser.parse_args()
+    if args.smoke:
+        args.clients, args.duration, args.warmup = 4, 3.0, 1.0
 
     port = free_port()
     server = ServerProcess(tokenwire_command(port), port, log=args.log)

@@ -48,7 +48,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--seeded", action="store_true", help="every request has a seed")
+    parser.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: does it run")
     args = parser.parse_args()
+    if args.smoke:
+        args.rows, args.steps = 2, 2
     model_dir = Path(prepare("smollm2-135m-instruct"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     runner = ModelRunner(

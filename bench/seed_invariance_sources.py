@@ -13,6 +13,7 @@ Usage: ``python bench/seed_invariance_sources.py``.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -119,10 +120,13 @@ def sampling_differences(vocab: int, trials: int = 200) -> int:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="two prompts: does it run")
+    args = parser.parse_args()
     model_dir = Path(prepare("smollm2-135m-instruct"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = []
-    for q in PROMPTS:
+    for q in PROMPTS[:2] if args.smoke else PROMPTS:
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": q}], add_generation_prompt=True
         )

@@ -7,14 +7,20 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
+if TYPE_CHECKING:
+    from tests.fake_engine import FakeEngine
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+HERE = Path(__file__).resolve().parent
 
 
 def free_port() -> int:
@@ -58,6 +64,32 @@ class ServerProcess:
 
 def tokenwire_command(port: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "tokenwire.cli", "serve", "--port", str(port), *args]
+
+
+def tree_env(tree: Path) -> dict[str, str]:
+    """An environment whose Python imports ``tree``'s tokenwire and test fake engine (the
+    installed package may be another checkout's), and these helpers."""
+    path = os.pathsep.join([str(tree / "src"), str(tree), str(HERE)])
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def serve_fake_engine(port: int, make_engine: Callable[[Path], FakeEngine], *flags: str) -> None:
+    """Serve the real app (``tokenwire serve``'s, on its uvicorn protocol) over the project's fake
+    engine, built by ``make_engine`` for a weightless view of the default model; until killed."""
+    import uvicorn
+
+    from tests.fast_app import weightless_view
+    from tokenwire.api.app import create_app
+    from tokenwire.api.server import uvicorn_config
+    from tokenwire.assets import prepare
+    from tokenwire.settings import DEFAULT_MODEL, parse_serve_args
+
+    with tempfile.TemporaryDirectory() as tmp:
+        view = weightless_view(prepare(DEFAULT_MODEL), Path(tmp))
+        argv = ["--model", str(view), "--port", str(port), "--log-level", "warning", *flags]
+        settings = parse_serve_args(argv)
+        app = create_app(settings, make_engine(view))
+        uvicorn.Server(uvicorn_config(app, settings)).run()
 
 
 @dataclass

@@ -314,7 +314,7 @@ def test_pause_generation_holds_a_bounded_queue_until_clients_leave(
     try:
         gone = Sent(rl_server, "/generate", body, timeout=0.5)
         assert gone.done.wait(10) and isinstance(gone.error, httpx.TimeoutException)
-        time.sleep(0.3)  # the server notices the disconnect within 50 ms
+        time.sleep(0.3)  # the server frees its place once it sees the disconnect
         sent = [Sent(rl_server, "/inference/v1/generate", GENERATE) for _ in range(3)]
         deadline = time.monotonic() + 10
         while not any(s.done.is_set() for s in sent):

@@ -2,7 +2,7 @@
 
 A held request has started nothing, so a client that gives up (its timeout, a disconnect) is
 cancelled here and its place in the bounded queue freed. Checked before waiting, so that a
-request pays for disconnect polling only while the server holds requests.
+request starts a disconnect waiter here only while the server holds requests.
 """
 
 from __future__ import annotations
