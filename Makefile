@@ -17,7 +17,7 @@ VLLM_TESTS := tests/test_engine_hf.py tests/test_generate.py tests/test_rl_contr
 	tests/test_framework_compat.py tests/test_scoring.py tests/test_lora.py \
 	tests/test_weight_transfer.py
 
-.PHONY: install serve test test-fast lint bench fuzz load install-vllm test-vllm bench-vllm \
+.PHONY: install serve test test-fast lint bench bench-smoke fuzz load install-vllm test-vllm bench-vllm \
 	install-frameworks test-frameworks
 
 $(STAMP): pyproject.toml
@@ -38,8 +38,13 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Everything but the model benchmarks' smoke runs (make bench-smoke: their servers take minutes).
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not bench_model"
+
+# Every benchmark's --smoke run (tests/test_bench_smoke.py), the model ones included.
+bench-smoke: install
+	$(PY) -m pytest tests/test_bench_smoke.py
 
 # The model-free part: everything above the engine on a scripted fake engine (tests/fake_engine.py)
 # and the unit tests; tests that run or build a real model are marked ``model`` (tests/conftest.py),

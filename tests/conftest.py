@@ -66,6 +66,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "hf_only: tests of the hf engine's own internals")
     config.addinivalue_line("markers", "model: runs or builds a real model (not in make test-fast)")
     config.addinivalue_line("markers", "bench: a benchmark's smoke run (not in make test-fast)")
+    config.addinivalue_line(
+        "markers", "bench_model: a model benchmark's smoke run (make bench-smoke, not make test)"
+    )
     SESSION_ENGINE["kind"] = config.getoption("engine")
     SESSION_ENGINE["vllm_args"] = shlex.split(config.getoption("vllm_args"))
 

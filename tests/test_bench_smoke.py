@@ -3,8 +3,10 @@ exit status), fails the suite instead of rotting until someone next runs it.
 
 Each script runs as a subprocess on this tree's sources (the installed package may be another
 checkout's) at its smoke sizes: seconds of work, plus the start of whatever servers and models it
-needs. Those that run a real model are marked ``model``, the rest ``bench``; neither is part of
-``make test-fast``. A script that needs vLLM is skipped where vLLM is not installed.
+needs. Those that load no model are marked ``bench`` and run in ``make test``; those that run a
+real model are marked ``model`` and ``bench_model``: starting their servers takes minutes in all,
+more than CI's budget holds, so ``make bench-smoke`` runs every one. A script that needs vLLM is
+skipped where vLLM is not installed.
 """
 
 from __future__ import annotations
@@ -34,7 +36,11 @@ SMOKE_TIMEOUT_S = 900  # a loaded 2-core machine takes minutes to start a model 
 
 
 def _param(script: Path) -> object:
-    marks = [pytest.mark.bench if script.name in MODEL_FREE else pytest.mark.model]
+    marks = (
+        [pytest.mark.bench]
+        if script.name in MODEL_FREE
+        else [pytest.mark.model, pytest.mark.bench_model]
+    )
     if script.name in NEEDS_VLLM and importlib.util.find_spec("vllm") is None:
         marks.append(pytest.mark.skip(reason="vLLM is not installed"))
     return pytest.param(script, marks=marks, id=script.stem)
