@@ -363,7 +363,7 @@ def test_refusals(
     assert_error(rl.post("/start_weight_update"), 400, "already active")
     misfit = {"names": ["lm_head.weight"], "dtype_names": ["float32"], "shapes": [[4, 4]]}
     error = assert_error(
-        rl.post("/update_weights", json={"update_info": misfit}), 400, "nothing received"
+        rl.post("/update_weights", json={"update_info": misfit}), 400, "none of these tensors loaded"
     )
     assert "(49152, 576)" in error["message"]
     assert not ok(rl.get("/is_paused"))["is_paused"]  # the update's pause is lifted

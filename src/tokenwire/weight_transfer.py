@@ -12,7 +12,9 @@ group, in one of two ways (``join_group``'s ``group_name``):
   group: keys under ``default_pg/``, the group called ``"0"`` (torch names a process's first
   group so).
 For each tensor of an update, in order, rank 0 broadcasts once; ``packed`` updates broadcast
-vLLM's packed chunks instead (``packed_chunks``).
+vLLM's packed chunks instead (``packed_chunks``). A receiver takes one update call into one
+buffer (``receive``), checking each broadcast came whole; ``tokenwire.group_process`` runs that
+in a child process, so a broadcast gloo aborts on ends the child only.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -227,34 +229,101 @@ def broadcast(tensor: torch.Tensor, group: Any) -> None:
     dist.broadcast(tensor, src=0, group=group)
 
 
+# Written as the last byte of each broadcast's buffer: gloo fills a buffer from its start and
+# takes a shorter message silently, so this byte still there afterwards means the trainer sent
+# less than it announced. As the last byte of a little-endian float it is the sign and exponent
+# of a positive NaN or infinity (float16, float8) or of one above 2**127 (float32, bfloat16):
+# a full message ends with it only when its last value is such, which is refused too.
+_SHORT_SENTINEL = 0x7F
+# Each broadcast's buffer starts at a multiple of this, so every tensor view is aligned.
+_ALIGN = 64
+
+
+class ReceivedTensorError(ValueError):
+    """A broadcast that came short of what the trainer announced, or a tensor holding NaN or
+    infinity: the group stayed in step, but the update must not load."""
+
+
+def receive_nbytes(metas: Sequence[TensorMeta], *, packed: bool, buffer_size_bytes: int) -> int:
+    """The size of the buffer ``receive`` takes for one update call."""
+    layout = _broadcasts(metas, packed, buffer_size_bytes)
+    return 0 if not layout else layout[-1][0] + sum(m.nbytes for m in layout[-1][1])
+
+
+def received_tensors(
+    buffer: torch.Tensor, metas: Sequence[TensorMeta], *, packed: bool, buffer_size_bytes: int
+) -> dict[str, torch.Tensor]:
+    """The tensors of one update call, as views of the ``buffer`` ``receive`` filled."""
+    tensors: dict[str, torch.Tensor] = {}
+    for offset, chunk in _broadcasts(metas, packed, buffer_size_bytes):
+        size = sum(m.nbytes for m in chunk)
+        tensors.update(unpack(buffer[offset : offset + size], chunk))
+    return tensors
+
+
 def receive(
     metas: Sequence[TensorMeta],
     group: Any,
-    device: torch.device,
-    take: Callable[[str, torch.Tensor], None],
+    buffer: torch.Tensor,
     *,
     packed: bool = False,
     buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
-    target: Callable[[TensorMeta], torch.Tensor | None] | None = None,
-) -> None:
-    """A receiver's side of one update: each broadcast in the order the trainer sends them
-    (``packed``: vLLM's packed chunks). A tensor comes into ``target(meta)`` when that names one
-    (a model weight of the sent dtype: no second copy), else into a new tensor handed to
-    ``take(name, tensor)``. Raises what the group raises when a broadcast breaks off."""
-    import torch
+    allow_nonfinite: bool = False,
+) -> dict[str, torch.Tensor]:
+    """A receiver's side of one update call: each broadcast in the order the trainer sends
+    them (``packed``: vLLM's packed chunks) into ``buffer`` (uint8, ``receive_nbytes`` long);
+    returns the tensors, views of it. ``ReceivedTensorError`` when a broadcast came short or a
+    tensor holds NaN or infinity (unless ``allow_nonfinite``); raises what the group raises
+    when a broadcast breaks off. A broadcast longer than announced is gloo's to catch: it
+    aborts the process (``tokenwire.group_process`` receives in a child for that)."""
+    from tokenwire.engine.checkpoint import all_finite
 
-    if packed:
-        for chunk in packed_chunks(metas, buffer_size_bytes):
-            buffer = torch.empty(sum(m.nbytes for m in chunk), dtype=torch.uint8, device=device)
-            broadcast(buffer, group)
-            for name, tensor in unpack(buffer, chunk):
-                take(name, tensor)
-        return
-    for meta in metas:
-        direct = None if target is None else target(meta)
-        if direct is not None:
-            broadcast(direct, group)
-            continue
-        tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-        broadcast(tensor, group)
-        take(meta.name, tensor)
+    tensors: dict[str, torch.Tensor] = {}
+    for offset, chunk in _broadcasts(metas, packed, buffer_size_bytes):
+        size = sum(m.nbytes for m in chunk)
+        region = buffer[offset : offset + size]
+        if size:
+            region[-1] = _SHORT_SENTINEL
+        broadcast(region, group)
+        views = unpack(region, chunk)
+        # A tensor with NaN before its end is named as such below, not as one that came short.
+        if (
+            size
+            and int(region[-1]) == _SHORT_SENTINEL
+            and (allow_nonfinite or all_finite(views[-1][1].reshape(-1)[:-1]))
+        ):
+            raise ReceivedTensorError(
+                f"{_announced(chunk)}: fewer bytes came than announced, so the trainer sent "
+                "other tensors than it named (another dtype, shape or order), or it ends in "
+                "a NaN or infinity"
+            )
+        for name, tensor in views:
+            if not allow_nonfinite and not all_finite(tensor):
+                raise ReceivedTensorError(
+                    f"{name} holds NaN or infinite values (--allow-nonfinite-weights loads them)"
+                )
+            tensors[name] = tensor
+    return tensors
+
+
+def _announced(chunk: Sequence[TensorMeta]) -> str:
+    """A broadcast's tensors as the trainer announced them, for an error."""
+    size = sum(m.nbytes for m in chunk)
+    if len(chunk) > 1:
+        return f"the packed chunk {chunk[0].name} .. {chunk[-1].name} ({size} bytes)"
+    meta = chunk[0]
+    return f"{meta.name} (announced {dtype_name(meta.dtype)} {list(meta.shape)}, {size} bytes)"
+
+
+def _broadcasts(
+    metas: Sequence[TensorMeta], packed: bool, buffer_size_bytes: int
+) -> list[tuple[int, list[TensorMeta]]]:
+    """Each broadcast of one update call: where its bytes start in the receive buffer, and
+    the tensors it carries (one, or a packed chunk's, back to back)."""
+    chunks = packed_chunks(metas, buffer_size_bytes) if packed else [[m] for m in metas]
+    layout = []
+    offset = 0
+    for chunk in chunks:
+        layout.append((offset, chunk))
+        offset += -(-sum(m.nbytes for m in chunk) // _ALIGN) * _ALIGN
+    return layout

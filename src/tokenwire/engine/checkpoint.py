@@ -15,6 +15,7 @@ import io
 import json
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -63,13 +64,19 @@ def read_checkpoint_file(file: Path, *, allow_nonfinite: bool = False) -> dict[s
     """One file of a checkpoint (``read_safetensors``), its values checked as
     ``read_checkpoint`` checks them."""
     tensors = read_safetensors(file)
-    for name, tensor in tensors.items():
-        if not allow_nonfinite and not all_finite(tensor):
-            raise WeightsError(
-                f"{file.name}: {name} holds NaN or infinite values "
-                "(--allow-nonfinite-weights loads such a checkpoint)"
-            )
+    if not allow_nonfinite:
+        refuse_nonfinite(tensors, f"{file.name}: ")
     return tensors
+
+
+def refuse_nonfinite(tensors: Mapping[str, torch.Tensor], where: str = "") -> None:
+    """``WeightsError`` naming the first tensor that holds NaN or infinity (every answer of
+    the model would be garbage)."""
+    for name, tensor in tensors.items():
+        if not all_finite(tensor):
+            raise WeightsError(
+                f"{where}{name} holds NaN or infinite values (--allow-nonfinite-weights loads them)"
+            )
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

@@ -30,7 +30,7 @@ from tokenwire.engine.base import (
     WeightsError,
     WeightUpdate,
 )
-from tokenwire.engine.checkpoint import read_checkpoint
+from tokenwire.engine.checkpoint import read_checkpoint, refuse_nonfinite
 from tokenwire.engine.defaults import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_PREFIX_CACHE_BYTES,
@@ -176,7 +176,7 @@ class HFEngine:
             prefix_cache_bytes=prefix_cache_bytes,
             max_num_batched_tokens=max_num_batched_tokens,
         )
-        self._receiver = WeightReceiver(self._runner)
+        self._receiver = WeightReceiver(self._runner, allow_nonfinite=allow_nonfinite_weights)
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
@@ -333,15 +333,23 @@ class HFEngine:
         self._runner.check_weights((t.name, t.dtype, t.shape) for t in tensors)
 
     async def receive_weights(self, update: WeightUpdate) -> None:
-        receiver = self._receiver
-        await self._command(lambda reply: NewWeights(lambda: receiver.receive(update), None, reply))
+        """Received whole off the engine thread (``WeightsError``: the model as it was), then
+        copied in between two steps."""
+        tensors = await asyncio.to_thread(self._receiver.receive, update)
+        await self._copy_in(tensors)
 
     def missing_weights(self, given: Collection[str]) -> list[str]:
         return self._runner.missing_weights(given)
 
     async def copy_weights(self, tensors: dict[str, Any]) -> None:
+        self._runner.check_weights((name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
+        if not self.allow_nonfinite_weights:
+            refuse_nonfinite(tensors)
+        await self._copy_in(tensors)
+
+    async def _copy_in(self, tensors: dict[str, Any]) -> None:
+        """Checked tensors into the model, between two steps."""
         runner = self._runner
-        runner.check_weights((name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
 
         def copy() -> None:
             for name, tensor in tensors.items():
@@ -372,7 +380,7 @@ class HFEngine:
 
     async def receive_tensors(self, update: WeightUpdate) -> dict[str, Any]:
         """On a worker thread: requests go on while an adapter's factors come."""
-        return await asyncio.to_thread(self._receiver.receive_tensors, update)
+        return await asyncio.to_thread(self._receiver.receive, update)
 
     def _adapter_slots(self) -> AdapterSlots:
         slots = self._runner.adapters

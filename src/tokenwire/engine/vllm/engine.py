@@ -36,6 +36,7 @@ from tokenwire.engine.base import (
     WeightTransferError,
     WeightUpdate,
 )
+from tokenwire.engine.checkpoint import refuse_nonfinite
 from tokenwire.engine.lora_rules import check_update
 from tokenwire.engine.vllm.config import engine_args, sampling_params
 from tokenwire.engine.vllm.outputs import OutputState
@@ -382,6 +383,7 @@ class VLLMEngine:
                 tensors=tensors,
                 packed=update.packed,
                 buffer_size_bytes=update.buffer_size_bytes,
+                allow_nonfinite=self.allow_nonfinite_weights,
             )
         except Exception as exc:
             raise WeightTransferError(str(exc)) from exc
@@ -401,6 +403,8 @@ class VLLMEngine:
         self.check_weight_update(
             [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
         )
+        if not self.allow_nonfinite_weights:
+            refuse_nonfinite(tensors)
         # vLLM's RPCs turn tensors into nested lists: they travel as one safetensors file.
         data = await asyncio.to_thread(safetensors_bytes, tensors)
         self._waiting = set(await self._rpc("tokenwire_copy_weights", data=data))
