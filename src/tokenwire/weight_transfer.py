@@ -271,7 +271,8 @@ def receive(
     allow_nonfinite: bool = False,
 ) -> dict[str, torch.Tensor]:
     """A receiver's side of one update call: each broadcast in the order the trainer sends
-    them (``packed``: vLLM's packed chunks) into ``buffer`` (uint8, ``receive_nbytes`` long);
+    them (``packed``: vLLM's packed chunks) into ``buffer`` (uint8, ``receive_nbytes`` long,
+    zeroed);
     returns the tensors, views of it. ``ReceivedTensorError`` when a broadcast came short or a
     tensor holds NaN or infinity (unless ``allow_nonfinite``); raises what the group raises
     when a broadcast breaks off. A broadcast longer than announced is gloo's to catch: it

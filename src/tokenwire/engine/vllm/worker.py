@@ -189,7 +189,7 @@ class TokenwireWorkerExtension:
             raise RuntimeError("no weight-transfer group is open")
         metas = [TensorMeta(n, dtype_named(d), tuple(s)) for n, d, s in tensors]  # type: ignore[arg-type]
         size = receive_nbytes(metas, packed=packed, buffer_size_bytes=buffer_size_bytes)
-        buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        buffer = torch.zeros(size, dtype=torch.uint8, device=self.device)
         try:
             return receive(
                 metas,
