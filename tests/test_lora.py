@@ -539,7 +539,9 @@ def test_adapter_factors_larger_than_announced(lora_server: Server) -> None:
         "dtypes": [dtype_name(factors[n].dtype) for n in named],
         "shapes": [list(factors[n].shape) for n in named],
         "lora_name": "wrong",
-        "lora_config": trainer.peft_config["default"].to_dict(),
+        "lora_config": json.loads(
+            json.dumps(trainer.peft_config["default"].to_dict(), default=sorted)
+        ),
     }
     sender = WeightSender([Client(lora_server.url, api_key=API_KEY)], timeout_s=30)
     sender.connect()

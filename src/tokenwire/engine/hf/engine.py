@@ -379,8 +379,10 @@ class HFEngine:
         self._adapter_slots().check_update(config, tensors)
 
     async def receive_tensors(self, update: WeightUpdate) -> dict[str, Any]:
-        """On a worker thread: requests go on while an adapter's factors come."""
-        return await asyncio.to_thread(self._receiver.receive, update)
+        """On a worker thread: requests go on while an adapter's factors come. Copied out of
+        the group's buffer, which the next call reuses (an adapter is small)."""
+        tensors = await asyncio.to_thread(self._receiver.receive, update)
+        return {name: tensor.clone() for name, tensor in tensors.items()}
 
     def _adapter_slots(self) -> AdapterSlots:
         slots = self._runner.adapters

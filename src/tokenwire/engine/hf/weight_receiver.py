@@ -72,7 +72,8 @@ class WeightReceiver:
         return self._group is not None
 
     def receive(self, update: WeightUpdate) -> dict[str, torch.Tensor]:
-        """Every tensor of ``update``, checked, in new tensors (the model is not touched).
+        """Every tensor of ``update``, checked, in tensors of the group's buffer (valid until
+        the next call; the model is not touched).
         ``WeightsError`` when they did not come as announced, or the group broke; the group
         is then closed."""
         group = self._group
