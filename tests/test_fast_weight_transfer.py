@@ -4,6 +4,8 @@ before any engine work (over the fake engine). The transfer itself is in test_we
 from __future__ import annotations
 
 import base64
+import contextlib
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -135,3 +137,67 @@ def test_bad_bodies_are_400s_before_any_transfer(
     fast_rl: FastApp, path: str, body: dict, message: str
 ) -> None:
     assert_error(fast_rl.client.post(path, json=body), 400, message)
+
+
+def test_the_group_process_takes_only_what_was_announced() -> None:
+    """Over gloo on loopback, this test as the trainer: a call comes whole; one that comes
+    short or holds NaN is refused with the group still in step; a broadcast larger than
+    announced ends the child (gloo's abort) and not this process."""
+    import threading
+
+    from tests.conftest import free_port
+    from tokenwire.group_process import GroupLost, GroupProcess
+    from tokenwire.weight_transfer import (
+        ReceivedTensorError,
+        broadcast,
+        join_group,
+        leave_group,
+    )
+
+    port = free_port()
+    join = {"master_address": "127.0.0.1", "master_port": port, "world_size": 2}
+    join |= {"backend": "gloo", "group_name": "safety", "timeout_s": 30}
+    opened: dict[str, GroupProcess] = {}
+    thread = threading.Thread(target=lambda: opened.setdefault("g", GroupProcess(rank=1, **join)))
+    thread.start()
+    trainer = join_group(rank=0, **join)
+    thread.join()
+    group = opened["g"]
+    a, b = torch.arange(4.0), torch.ones(2, 3)
+    metas = [TensorMeta("a", torch.float32, (4,)), TensorMeta("b", torch.float32, (2, 3))]
+
+    def call(sent: list[torch.Tensor], packed: bool = False, allow: bool = False) -> Any:
+        answer: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                answer["r"] = group.receive(
+                    metas, packed=packed, buffer_size_bytes=64, allow_nonfinite=allow
+                )
+            except (ReceivedTensorError, GroupLost) as exc:
+                answer["r"] = exc
+
+        receiving = threading.Thread(target=run)
+        receiving.start()
+        with contextlib.suppress(RuntimeError):  # the receiving end is gone
+            for tensor in sent:
+                broadcast(tensor, trainer)
+        receiving.join()
+        return answer["r"]
+
+    try:
+        got = call([a, b])
+        assert torch.equal(got["a"], a) and torch.equal(got["b"], b)
+        short = call([a, b[:1]])
+        assert isinstance(short, ReceivedTensorError) and "b (announced float32" in str(short)
+        nan = call([a, torch.full((2, 3), float("nan"))])
+        assert isinstance(nan, ReceivedTensorError) and "b holds NaN" in str(nan)
+        # --allow-nonfinite-weights: taken (a tensor ending in +NaN or +inf would read as short)
+        assert torch.isneginf(call([a, -b / 0], allow=True)["b"]).all()
+        packed = call([pack([a, b])], packed=True)  # one chunk: 40 bytes stay under 64
+        assert torch.equal(packed["b"], b)
+        larger = call([b, a])
+        assert isinstance(larger, GroupLost) and "more bytes than announced" in str(larger)
+    finally:
+        group.close()
+        leave_group(trainer)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -14,7 +15,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.conftest import API_KEY, LORA_TARGETS, SESSION_ENGINE, Server, smollm2_float32
+from tests.conftest import (
+    API_KEY,
+    LORA_TARGETS,
+    SESSION_ENGINE,
+    Server,
+    assert_error,
+    smollm2_float32,
+)
 from tokenwire import adapter_files
 from tokenwire.adapter_files import CONFIG_FILE, WEIGHTS_FILE
 from tokenwire.engine.base import WeightsError
@@ -575,6 +583,44 @@ def test_adapter_over_the_weight_transfer_group(lora_server: Server, tmp_path: P
     finally:
         sender.close()
     _unload(lora_server, "mem")
+
+
+def test_adapter_factors_larger_than_announced(lora_server: Server) -> None:
+    """A trainer that broadcasts a factor larger than the one it named (gloo aborts the
+    receiving process): a 400, the server alive, and no adapter loaded."""
+    if SESSION_ENGINE["kind"] == "vllm":
+        pytest.skip("vLLM's worker holds the group itself: gloo's abort ends the engine")
+    from tokenwire.client import Client
+    from tokenwire.client.weights import WeightSender
+    from tokenwire.weight_transfer import broadcast, dtype_name
+
+    trainer = _peft_adapter(12, ["q_proj", "v_proj"])
+    factors = _factors(trainer)
+    named = sorted(factors, key=lambda name: factors[name].numel())  # smallest first
+    body = {
+        "names": named,
+        "dtypes": [dtype_name(factors[n].dtype) for n in named],
+        "shapes": [list(factors[n].shape) for n in named],
+        "lora_name": "wrong",
+        "lora_config": json.loads(
+            json.dumps(trainer.peft_config["default"].to_dict(), default=sorted)
+        ),
+    }
+    sender = WeightSender([Client(lora_server.url, api_key=API_KEY)], timeout_s=30)
+    sender.connect()
+    try:
+        with ThreadPoolExecutor(1) as pool, lora_server.client() as client:
+            answer = pool.submit(client.post, "/update_weights_from_distributed", json=body)
+            with contextlib.suppress(RuntimeError):  # the server closed the group
+                for name in reversed(named):  # the largest first
+                    broadcast(factors[name], sender._group)
+            response = answer.result()
+            assert_error(response, 400, "more bytes than announced")
+            assert client.get("/health").status_code == 200
+            models = [m["id"] for m in client.get("/v1/models").json()["data"]]
+            assert "wrong" not in models
+    finally:
+        sender.close()
 
 
 def test_sglang_adapter_from_tensors(lora_server: Server, lora_adapters: list[Path]) -> None:

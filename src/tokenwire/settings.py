@@ -167,7 +167,7 @@ class Settings:
     allow_nonfinite_weights: bool = flag(
         False,
         switch=True,
-        help="let a weight reload load NaN or infinite values (hf engine; refused by default)",
+        help="let new weights (a reload, or tensors from a trainer) hold NaN or infinite values",
     )
     max_held_requests: int = flag(
         1024,

@@ -12,7 +12,9 @@ group, in one of two ways (``join_group``'s ``group_name``):
   group: keys under ``default_pg/``, the group called ``"0"`` (torch names a process's first
   group so).
 For each tensor of an update, in order, rank 0 broadcasts once; ``packed`` updates broadcast
-vLLM's packed chunks instead (``packed_chunks``).
+vLLM's packed chunks instead (``packed_chunks``). A receiver takes one update call into one
+buffer (``receive``), checking each broadcast came whole; ``tokenwire.group_process`` runs that
+in a child process, so a broadcast gloo aborts on ends the child only.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -158,11 +160,14 @@ def join_group(
     """Join (rank 0: host) the weight-transfer group, named (SGLang's form) or the trainer's
     default group (``group_name`` None); blocks until every rank has joined or ``timeout_s``
     passed. Each collective of the group fails after ``timeout_s`` too, so a trainer that
-    stalls mid-broadcast cannot hold a receiver forever."""
-    # torch builds its own process groups this way; there is no public call that makes a
-    # second, independent group with its own store (a server's process has its own default
-    # group, or none).
-    from torch.distributed import PrefixStore
+    stalls mid-broadcast cannot hold a receiver forever.
+
+    A gloo group is gloo's own backend over the store keyed as torch keys a process group's
+    (``<prefix>/<name>/cpu/``), not a registered process group: a process that has a default
+    group of its own (vLLM's workers do, named "0") could not register a second "0". nccl
+    groups are torch's process groups, named ones only."""
+    # There is no public call that makes a second, independent group with its own store.
+    from torch.distributed import PrefixStore, ProcessGroupGloo
     from torch.distributed.distributed_c10d import (
         Backend,
         _new_process_group_helper,
@@ -176,18 +181,19 @@ def join_group(
     prefix, name = (
         (_DEFAULT_PG_PREFIX, _DEFAULT_PG_NAME) if group_name is None else (group_name, group_name)
     )
+    if backend != "gloo" and group_name is None:
+        raise GroupJoinError(f"a trainer's default group is joined over gloo only, not {backend}")
     try:
         store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
         # The whole join within timeout_s; the group's collectives get timeout_s each.
         store.set_timeout(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        keyed = PrefixStore(prefix, store)
+        if backend == "gloo":
+            # As _new_process_group_helper keys a group's gloo backend: name, then device.
+            gloo_store = PrefixStore("cpu/", PrefixStore(f"{name}/", keyed))
+            return ProcessGroupGloo(gloo_store, rank, world_size, timeout)
         group, _ = _new_process_group_helper(
-            world_size,
-            rank,
-            [],
-            Backend(backend),
-            PrefixStore(prefix, store),
-            group_name=name,
-            timeout=timeout,
+            world_size, rank, [], Backend(backend), keyed, group_name=name, timeout=timeout
         )
     except Exception as exc:
         # Never the far end's words: its bytes (or this process's id) must not reach a client.
@@ -214,47 +220,120 @@ def _join_failure(exc: Exception) -> str:
 
 
 def leave_group(group: Any) -> None:
-    """Destroy a group made by ``join_group`` (its name can then be used again)."""
+    """Destroy a group made by ``join_group`` (a process group's name can then be used again;
+    a gloo backend closes its connections when dropped)."""
     import torch.distributed as dist
 
-    dist.destroy_process_group(group)
+    if isinstance(group, dist.ProcessGroup):
+        dist.destroy_process_group(group)
 
 
 def broadcast(tensor: torch.Tensor, group: Any) -> None:
-    """One broadcast from the trainer (rank 0) over ``group``."""
+    """One broadcast from the trainer (rank 0) over ``group`` (either kind ``join_group``
+    makes; a failure raises, a timeout after the group's)."""
     import torch.distributed as dist
 
-    dist.broadcast(tensor, src=0, group=group)
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+# Written as the last byte of each broadcast's buffer: gloo fills a buffer from its start and
+# takes a shorter message silently, so this byte still there afterwards means the trainer sent
+# less than it announced. As the last byte of a little-endian float it is the sign and exponent
+# of a positive NaN or infinity (float16, float8) or of one above 2**127 (float32, bfloat16):
+# a full message ends with it only when its last value is such, which is refused too.
+_SHORT_SENTINEL = 0x7F
+# Each broadcast's buffer starts at a multiple of this, so every tensor view is aligned.
+_ALIGN = 64
+
+
+class ReceivedTensorError(ValueError):
+    """A broadcast that came short of what the trainer announced, or a tensor holding NaN or
+    infinity: the group stayed in step, but the update must not load."""
+
+
+def receive_nbytes(metas: Sequence[TensorMeta], *, packed: bool, buffer_size_bytes: int) -> int:
+    """The size of the buffer ``receive`` takes for one update call."""
+    layout = _broadcasts(metas, packed, buffer_size_bytes)
+    return 0 if not layout else layout[-1][0] + sum(m.nbytes for m in layout[-1][1])
+
+
+def received_tensors(
+    buffer: torch.Tensor, metas: Sequence[TensorMeta], *, packed: bool, buffer_size_bytes: int
+) -> dict[str, torch.Tensor]:
+    """The tensors of one update call, as views of the ``buffer`` ``receive`` filled."""
+    tensors: dict[str, torch.Tensor] = {}
+    for offset, chunk in _broadcasts(metas, packed, buffer_size_bytes):
+        size = sum(m.nbytes for m in chunk)
+        tensors.update(unpack(buffer[offset : offset + size], chunk))
+    return tensors
 
 
 def receive(
     metas: Sequence[TensorMeta],
     group: Any,
-    device: torch.device,
-    take: Callable[[str, torch.Tensor], None],
+    buffer: torch.Tensor,
     *,
     packed: bool = False,
     buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
-    target: Callable[[TensorMeta], torch.Tensor | None] | None = None,
-) -> None:
-    """A receiver's side of one update: each broadcast in the order the trainer sends them
-    (``packed``: vLLM's packed chunks). A tensor comes into ``target(meta)`` when that names one
-    (a model weight of the sent dtype: no second copy), else into a new tensor handed to
-    ``take(name, tensor)``. Raises what the group raises when a broadcast breaks off."""
-    import torch
+    allow_nonfinite: bool = False,
+) -> dict[str, torch.Tensor]:
+    """A receiver's side of one update call: each broadcast in the order the trainer sends
+    them (``packed``: vLLM's packed chunks) into ``buffer`` (uint8, ``receive_nbytes`` long,
+    zeroed);
+    returns the tensors, views of it. ``ReceivedTensorError`` when a broadcast came short or a
+    tensor holds NaN or infinity (unless ``allow_nonfinite``); raises what the group raises
+    when a broadcast breaks off. A broadcast longer than announced is gloo's to catch: it
+    aborts the process (``tokenwire.group_process`` receives in a child for that)."""
+    from tokenwire.engine.weight_rules import all_finite
 
-    if packed:
-        for chunk in packed_chunks(metas, buffer_size_bytes):
-            buffer = torch.empty(sum(m.nbytes for m in chunk), dtype=torch.uint8, device=device)
-            broadcast(buffer, group)
-            for name, tensor in unpack(buffer, chunk):
-                take(name, tensor)
-        return
-    for meta in metas:
-        direct = None if target is None else target(meta)
-        if direct is not None:
-            broadcast(direct, group)
-            continue
-        tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-        broadcast(tensor, group)
-        take(meta.name, tensor)
+    tensors: dict[str, torch.Tensor] = {}
+    for offset, chunk in _broadcasts(metas, packed, buffer_size_bytes):
+        size = sum(m.nbytes for m in chunk)
+        region = buffer[offset : offset + size]
+        if size:
+            region[-1] = _SHORT_SENTINEL
+        broadcast(region, group)
+        views = unpack(region, chunk)
+        # A tensor with NaN before its end is named as such below, not as one that came short.
+        if (
+            size
+            and int(region[-1]) == _SHORT_SENTINEL
+            and (allow_nonfinite or all_finite(views[-1][1].reshape(-1)[:-1]))
+        ):
+            raise ReceivedTensorError(
+                f"{_announced(chunk)}: fewer bytes came than announced, so the trainer sent "
+                "other tensors than it named (another dtype, shape or order), or it ends in "
+                "a NaN or infinity"
+            )
+        for name, tensor in views:
+            if not allow_nonfinite and not all_finite(tensor):
+                raise ReceivedTensorError(
+                    f"{name} holds NaN or infinite values (--allow-nonfinite-weights loads them)"
+                )
+            tensors[name] = tensor
+    return tensors
+
+
+def _announced(chunk: Sequence[TensorMeta]) -> str:
+    """A broadcast's tensors as the trainer announced them, for an error."""
+    size = sum(m.nbytes for m in chunk)
+    if len(chunk) > 1:
+        return f"the packed chunk {chunk[0].name} .. {chunk[-1].name} ({size} bytes)"
+    meta = chunk[0]
+    return f"{meta.name} (announced {dtype_name(meta.dtype)} {list(meta.shape)}, {size} bytes)"
+
+
+def _broadcasts(
+    metas: Sequence[TensorMeta], packed: bool, buffer_size_bytes: int
+) -> list[tuple[int, list[TensorMeta]]]:
+    """Each broadcast of one update call: where its bytes start in the receive buffer, and
+    the tensors it carries (one, or a packed chunk's, back to back)."""
+    chunks = packed_chunks(metas, buffer_size_bytes) if packed else [[m] for m in metas]
+    layout = []
+    offset = 0
+    for chunk in chunks:
+        layout.append((offset, chunk))
+        offset += -(-sum(m.nbytes for m in chunk) // _ALIGN) * _ALIGN
+    return layout

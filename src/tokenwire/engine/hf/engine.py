@@ -177,7 +177,7 @@ class HFEngine:
             prefix_cache_bytes=prefix_cache_bytes,
             max_num_batched_tokens=max_num_batched_tokens,
         )
-        self._receiver = WeightReceiver(self._runner)
+        self._receiver = WeightReceiver(self._runner, allow_nonfinite=allow_nonfinite_weights)
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
@@ -329,16 +329,24 @@ class HFEngine:
         check_tensors(self._runner.layout, ((t.name, t.dtype, t.shape) for t in tensors))
 
     async def receive_weights(self, update: WeightUpdate) -> None:
-        receiver = self._receiver
-        await self._command(lambda reply: NewWeights(lambda: receiver.receive(update), None, reply))
+        """Received whole off the engine thread (``WeightsError``: the model as it was), then
+        copied in between two steps."""
+        tensors = await asyncio.to_thread(self._receiver.receive, update)
+        await self._copy_in(tensors)
 
     def missing_weights(self, given: Collection[str]) -> list[str]:
         return self._runner.missing_weights(given)
 
     async def copy_weights(self, tensors: dict[str, Any]) -> None:
-        runner = self._runner
-        check_tensors(runner.layout, ((n, t.dtype, tuple(t.shape)) for n, t in tensors.items()))
+        check_tensors(
+            self._runner.layout, ((n, t.dtype, tuple(t.shape)) for n, t in tensors.items())
+        )
         check_finite(tensors, allow_nonfinite=self.allow_nonfinite_weights)
+        await self._copy_in(tensors)
+
+    async def _copy_in(self, tensors: dict[str, Any]) -> None:
+        """Checked tensors into the model, between two steps."""
+        runner = self._runner
 
         def copy() -> None:
             for name, tensor in tensors.items():
@@ -364,8 +372,10 @@ class HFEngine:
         self._adapter_slots().check_update(config, tensors)
 
     async def receive_tensors(self, update: WeightUpdate) -> dict[str, Any]:
-        """On a worker thread: requests go on while an adapter's factors come."""
-        return await asyncio.to_thread(self._receiver.receive_tensors, update)
+        """On a worker thread: requests go on while an adapter's factors come. Copied out of
+        the group's buffer, which the next call reuses (an adapter is small)."""
+        tensors = await asyncio.to_thread(self._receiver.receive, update)
+        return {name: tensor.clone() for name, tensor in tensors.items()}
 
     def _adapter_slots(self) -> AdapterSlots:
         slots = self._runner.adapters

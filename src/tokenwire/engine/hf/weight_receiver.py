@@ -1,31 +1,38 @@
 """The hf engine's end of a trainer's weight-transfer group (see ``tokenwire.weight_transfer``).
 
-Joining runs on a worker thread (a rendezvous may wait for the trainer; generation goes on
-meanwhile); receiving runs on the engine thread between steps, copying each tensor into the
-model as it arrives, so no second copy of the model is held. A broadcast that breaks off
-leaves the group unusable: it is destroyed and ``WeightTransferError`` says why.
+Joining and receiving run on worker threads (a rendezvous may wait for the trainer; generation
+goes on meanwhile); the group is held by ``tokenwire.group_process`` (gloo: in a child process,
+so a broadcast gloo aborts on ends the child, not the server). Each update call comes whole
+and checked into new tensors, which the engine then copies into the model between two steps:
+a call that fails leaves the model as it was (``WeightsError``), and the group is closed.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from tokenwire.engine.base import EngineError, WeightGroup, WeightTransferError, WeightUpdate
+from tokenwire.engine.base import (
+    EngineError,
+    WeightGroup,
+    WeightsError,
+    WeightTransferError,
+    WeightUpdate,
+)
 from tokenwire.engine.hf.runner import ModelRunner
-from tokenwire.weight_transfer import TensorMeta, join_group, leave_group, receive
+from tokenwire.group_process import Group, GroupLost, open_group
+from tokenwire.weight_transfer import ReceivedTensorError
 
 
 class WeightReceiver:
     """At most one group at a time; its calls come one after another (the pipeline's lock)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, *, allow_nonfinite: bool) -> None:
         self._runner = runner
-        self._group: Any = None
-        self._lock = threading.Lock()  # join (worker thread) against receive (engine thread)
+        self._allow_nonfinite = allow_nonfinite
+        self._group: Group | None = None
+        self._lock = threading.Lock()  # join against leave (the engine's shutdown)
 
     def backends(self) -> tuple[str, ...]:
         """gloo moves CPU tensors; nccl only CUDA ones."""
@@ -41,7 +48,8 @@ class WeightReceiver:
             if self._group is not None:
                 raise EngineError("a weight-transfer group is already open")
             try:
-                self._group = join_group(
+                self._group = open_group(
+                    self._runner.device,
                     master_address=spec.master_address,
                     master_port=spec.master_port,
                     rank=spec.rank,
@@ -57,51 +65,27 @@ class WeightReceiver:
         with self._lock:
             group, self._group = self._group, None
         if group is not None:
-            leave_group(group)
+            group.close()
 
     @property
     def joined(self) -> bool:
         return self._group is not None
 
-    def receive(self, update: WeightUpdate) -> None:
-        """On the engine thread: every tensor of ``update``, copied into the model."""
-
-        def weight_of(meta: TensorMeta) -> torch.Tensor | None:
-            weight = self._runner.weights[meta.name].detach()
-            return weight if weight.dtype == meta.dtype and weight.is_contiguous() else None
-
-        self._receive(update, self._runner.copy_weight, weight_of)
-
-    def receive_tensors(self, update: WeightUpdate) -> dict[str, torch.Tensor]:
-        """Every tensor of ``update`` into new tensors (an adapter's factors; any thread: the
-        model is not touched)."""
-        received: dict[str, torch.Tensor] = {}
-        self._receive(update, received.__setitem__, None)
-        return received
-
-    def _receive(
-        self,
-        update: WeightUpdate,
-        take: Callable[[str, torch.Tensor], None],
-        target: Callable[[TensorMeta], torch.Tensor | None] | None,
-    ) -> None:
-        group = self._open_group()
-        try:
-            receive(
-                update.tensors,
-                group,
-                self._runner.device,
-                take,
-                packed=update.packed,
-                buffer_size_bytes=update.buffer_size_bytes,
-                target=target,
-            )
-        except Exception as exc:
-            self.leave()
-            raise WeightTransferError(f"the weight broadcast broke off: {exc}") from exc
-
-    def _open_group(self) -> Any:
+    def receive(self, update: WeightUpdate) -> dict[str, torch.Tensor]:
+        """Every tensor of ``update``, checked, in tensors of the group's buffer (valid until
+        the next call; the model is not touched).
+        ``WeightsError`` when they did not come as announced, or the group broke; the group
+        is then closed."""
         group = self._group
         if group is None:
-            raise WeightTransferError("no weight-transfer group is open")
-        return group
+            raise WeightsError("no weight-transfer group is open")
+        try:
+            return group.receive(
+                update.tensors,
+                packed=update.packed,
+                buffer_size_bytes=update.buffer_size_bytes,
+                allow_nonfinite=self._allow_nonfinite,
+            )
+        except (ReceivedTensorError, GroupLost) as exc:
+            self.leave()
+            raise WeightsError(str(exc)) from exc

@@ -385,6 +385,7 @@ class VLLMEngine:
                 tensors=tensors,
                 packed=update.packed,
                 buffer_size_bytes=update.buffer_size_bytes,
+                allow_nonfinite=self.allow_nonfinite_weights,
             )
         except Exception as exc:
             raise WeightTransferError(str(exc)) from exc

@@ -140,45 +140,71 @@ class TokenwireWorkerExtension:
             leave_group(group)
 
     def tokenwire_receive_weights(
-        self, tensors: Sequence[tuple[str, str, list[int]]], packed: bool, buffer_size_bytes: int
+        self,
+        tensors: Sequence[tuple[str, str, list[int]]],
+        packed: bool,
+        buffer_size_bytes: int,
+        allow_nonfinite: bool,
     ) -> list[str]:
         """Receive one update (names checked by the engine), then load every layer whose
         tensors all came; return the names still waiting for the rest of their layer."""
-        received = self._tokenwire_receive(tensors, packed, buffer_size_bytes)
+        received = self._tokenwire_receive(tensors, packed, buffer_size_bytes, allow_nonfinite)
         return self._tokenwire_load(received.items())
 
     def tokenwire_receive_tensors(
-        self, tensors: Sequence[tuple[str, str, list[int]]], packed: bool, buffer_size_bytes: int
+        self,
+        tensors: Sequence[tuple[str, str, list[int]]],
+        packed: bool,
+        buffer_size_bytes: int,
+        allow_nonfinite: bool,
     ) -> bytes:
         """Receive one update that is not the model's (a LoRA adapter's factors: the engine
         loads them as an adapter) and hand it back as one safetensors file."""
         from tokenwire.weight_transfer import safetensors_bytes
 
-        return safetensors_bytes(self._tokenwire_receive(tensors, packed, buffer_size_bytes))
+        received = self._tokenwire_receive(tensors, packed, buffer_size_bytes, allow_nonfinite)
+        return safetensors_bytes(received)
 
     def _tokenwire_receive(
-        self, tensors: Sequence[tuple[str, str, list[int]]], packed: bool, buffer_size_bytes: int
+        self,
+        tensors: Sequence[tuple[str, str, list[int]]],
+        packed: bool,
+        buffer_size_bytes: int,
+        allow_nonfinite: bool,
     ) -> dict[str, Any]:
-        from tokenwire.weight_transfer import TensorMeta, dtype_named, receive
+        """The group is held here, in vLLM's worker (not in ``tokenwire.group_process``'s
+        child): a broadcast longer than announced still aborts this process."""
+        import torch
+
+        from tokenwire.weight_transfer import (
+            ReceivedTensorError,
+            TensorMeta,
+            dtype_named,
+            receive,
+            receive_nbytes,
+        )
 
         group = self._tokenwire_group
         if group is None:
             raise RuntimeError("no weight-transfer group is open")
         metas = [TensorMeta(n, dtype_named(d), tuple(s)) for n, d, s in tensors]  # type: ignore[arg-type]
-        received: dict[str, Any] = {}
+        size = receive_nbytes(metas, packed=packed, buffer_size_bytes=buffer_size_bytes)
+        buffer = torch.zeros(size, dtype=torch.uint8, device=self.device)
         try:
-            receive(
+            return receive(
                 metas,
                 group,
-                self.device,
-                received.__setitem__,
+                buffer,
                 packed=packed,
                 buffer_size_bytes=buffer_size_bytes,
+                allow_nonfinite=allow_nonfinite,
             )
+        except ReceivedTensorError as exc:  # in step, but not what was announced
+            self.tokenwire_leave_group()
+            raise RuntimeError(f"weights refused: {exc}") from exc
         except Exception as exc:  # the trainer died or stalled past the group's timeout
             self.tokenwire_leave_group()
             raise RuntimeError(f"the weight broadcast broke off: {exc}") from exc
-        return received
 
     def tokenwire_copy_weights(self, data: bytes) -> list[str]:
         """Tensors from the server process (checked there; one safetensors file), loaded as

@@ -294,13 +294,14 @@ class WeightTransfer:
                 await self._weights.end()
 
     async def _receive_into_model(self, update: WeightUpdate, param: str) -> None:
-        """Check, then receive into the model (lock held, an update open)."""
+        """Check, then receive into the model (lock held, an update open). ``WeightsError``
+        from the receipt: nothing of it reached the model (the hf engine receives a call whole,
+        checked, before copying any of it), so it ends as a refusal does."""
         try:
             self._engine().check_weight_update(update.tensors)
+            await self._weights.receive(update, param)
         except WeightsError as exc:
             await self._refuse(exc, param)
-        try:
-            await self._weights.receive(update, param)
         except InvalidRequest:  # the broadcast broke off: the engine left the group
             self._group = None
             raise
@@ -339,10 +340,9 @@ class WeightTransfer:
         a broadcast that breaks off closes the group and ends an open update."""
         try:
             self._engine().check_adapter_update(staged.config, update.tensors)
-        except WeightsError as exc:
-            await self._refuse(exc, param)
-        try:
             return await self._engine().receive_tensors(update)
+        except WeightsError as exc:  # refused before or while receiving
+            await self._refuse(exc, param)
         except WeightTransferError as exc:
             self._group = None  # the engine left it
             if self._weights.update is not None:
@@ -364,15 +364,16 @@ class WeightTransfer:
         )
 
     async def _refuse(self, exc: Exception, param: str) -> NoReturn:
-        """The trainer is broadcasting what this server will not take: the group cannot carry
-        on in step, so it is closed, and an open update ends (whole, unless earlier tensors of
-        it are in already)."""
+        """The trainer is broadcasting (or broadcast) what this server will not take: the group
+        cannot carry on in step, so it is closed, and an open update ends (whole, unless
+        earlier tensors of it are in already)."""
         if self._weights.update is not None:
             await self._weights.abandon("an update was refused after some of its tensors came")
         await self._leave()
         message = exc.message if isinstance(exc, InvalidRequest) else str(exc)
         raise InvalidRequest(
-            f"weights not updated (nothing received; the group is closed, init again): {message}",
+            f"weights not updated (none of these tensors loaded; the group is closed, init "
+            f"again): {message}",
             param,
         ) from exc
 

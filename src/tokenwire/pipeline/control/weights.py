@@ -166,7 +166,8 @@ class WeightLifecycle:
             self._update.deadline = self._next_deadline()
 
     async def receive(self, update: WeightUpdate, param: str) -> None:
-        """Receive tensors (checked by the caller) into the model."""
+        """Receive tensors (checked by the caller) into the model. ``WeightsError`` passes to
+        the caller untouched: the engine refused the call before any of it reached the model."""
         self._require_lock()
         current = self.open_update()
         try:
