@@ -170,8 +170,11 @@ def test_areal_remote_vllm_engine(
     """AReaL's ``RemotevLLMEngine``: its vLLM server's own routes (``/areal_*``), otherwise as
     the SGLang engine."""
     routes = ok(server.get("/openapi.json"))["paths"]
-    if "/areal_init_weights_update_group" not in routes:
-        pytest.skip("tokenwire serves no /areal_init_weights_update_group (AReaL's vLLM routes)")
+    needed = ("/areal_init_weights_update_group", "/areal_set_update_weight_meta")
+    if any(route not in routes for route in needed):
+        # AReaL's distributed update names the tensors in one call and broadcasts in the next
+        # (/areal_set_update_weight_meta, /areal_update_weights_xccl): not served yet.
+        pytest.skip("tokenwire serves no /areal_set_update_weight_meta (AReaL's two-step update)")
     trained = tmp_path / "trained"
     address = f"127.0.0.1:{frameworks_server.port}"
     args = ("vllm", str(base_dir), str(trained), address, "areal-vllm-1")
