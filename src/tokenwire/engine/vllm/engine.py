@@ -369,18 +369,20 @@ class VLLMEngine:
         """The workers receive every tensor, then load each layer whose tensors all came."""
         try:
             waiting = await self._worker_receive("tokenwire_receive_weights", update)
-        except WeightTransferError:  # the workers dropped what was waiting
+        except (WeightTransferError, WeightsError):  # the workers dropped what was waiting
             self._waiting.clear()
             raise
         self._waiting = set(waiting)
 
     async def _worker_receive(self, method: str, update: WeightUpdate) -> Any:
-        """``method`` of the worker that holds the group, receiving ``update`` there;
-        ``WeightTransferError`` when the broadcast breaks off (the worker left the group)."""
+        """``method`` of the worker that holds the group, receiving ``update`` there.
+        ``WeightsError`` when the call came other than announced (shorter, NaN: nothing of it
+        loaded), ``WeightTransferError`` when the broadcast broke off; the worker left the
+        group either way."""
         self._require_running()
         tensors = [(t.name, dtype_name(t.dtype), list(t.shape)) for t in update.tensors]
         try:
-            return await self._rpc(
+            answer = await self._rpc(
                 method,
                 tensors=tensors,
                 packed=update.packed,
@@ -389,6 +391,9 @@ class VLLMEngine:
             )
         except Exception as exc:
             raise WeightTransferError(str(exc)) from exc
+        if answer["refused"] is not None:
+            raise WeightsError(answer["refused"])
+        return answer["result"]
 
     def missing_weights(self, given: Collection[str]) -> list[str]:
         """Weights not given (a tied one counts with its twin), or given but still waiting in

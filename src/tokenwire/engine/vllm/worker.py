@@ -145,11 +145,16 @@ class TokenwireWorkerExtension:
         packed: bool,
         buffer_size_bytes: int,
         allow_nonfinite: bool,
-    ) -> list[str]:
+    ) -> dict[str, Any]:
         """Receive one update (names checked by the engine), then load every layer whose
-        tensors all came; return the names still waiting for the rest of their layer."""
-        received = self._tokenwire_receive(tensors, packed, buffer_size_bytes, allow_nonfinite)
-        return self._tokenwire_load(received.items())
+        tensors all came: ``{"refused": None, "result": the names still waiting for the rest of
+        their layer}``, or ``{"refused": why}`` when the call came other than announced (nothing
+        of it loaded; the group is left)."""
+        try:
+            received = self._tokenwire_receive(tensors, packed, buffer_size_bytes, allow_nonfinite)
+        except _Refused as exc:
+            return {"refused": str(exc)}
+        return {"refused": None, "result": self._tokenwire_load(received.items())}
 
     def tokenwire_receive_tensors(
         self,
@@ -157,13 +162,17 @@ class TokenwireWorkerExtension:
         packed: bool,
         buffer_size_bytes: int,
         allow_nonfinite: bool,
-    ) -> bytes:
+    ) -> dict[str, Any]:
         """Receive one update that is not the model's (a LoRA adapter's factors: the engine
-        loads them as an adapter) and hand it back as one safetensors file."""
+        loads them as an adapter) and hand it back as one safetensors file, in
+        ``tokenwire_receive_weights``' answer."""
         from tokenwire.weight_transfer import safetensors_bytes
 
-        received = self._tokenwire_receive(tensors, packed, buffer_size_bytes, allow_nonfinite)
-        return safetensors_bytes(received)
+        try:
+            received = self._tokenwire_receive(tensors, packed, buffer_size_bytes, allow_nonfinite)
+        except _Refused as exc:
+            return {"refused": str(exc)}
+        return {"refused": None, "result": safetensors_bytes(received)}
 
     def _tokenwire_receive(
         self,
@@ -201,7 +210,7 @@ class TokenwireWorkerExtension:
             )
         except ReceivedTensorError as exc:  # in step, but not what was announced
             self.tokenwire_leave_group()
-            raise RuntimeError(f"weights refused: {exc}") from exc
+            raise _Refused(str(exc)) from exc
         except Exception as exc:  # the trainer died or stalled past the group's timeout
             self.tokenwire_leave_group()
             raise RuntimeError(f"the weight broadcast broke off: {exc}") from exc
@@ -237,3 +246,8 @@ class TokenwireWorkerExtension:
                 reload_logger.setLevel(level)
             self._repack_tied_head()
         return sorted(staged)
+
+
+class _Refused(Exception):
+    """A received call that came other than announced: answered as a value, since vLLM's RPC
+    error would be a generic failure (and carry this process's details)."""
