@@ -80,18 +80,20 @@ def main(mode: str, model_dir: str, out_dir: str, version: str, api_key: str, *u
 
 def torch_trainer(model: torch.nn.Module, version: str, api_key: str, url: str) -> None:
     """A plain trainer's side of vLLM's four phases, as a user would write it."""
+    server = torch_join(api_key, url)
+    torch_send(server, model, version)
+
+
+def torch_join(api_key: str, url: str) -> httpx.Client:
+    """``init_process_group`` with the server (its ``/init_weight_transfer_engine`` at once)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     server = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {api_key}"}, timeout=120)
-
-    def post(path: str, body: dict) -> None:
-        server.post(path, json=body).raise_for_status()
-
     init_info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1}
     init_info["world_size"] = 2
     joining = threading.Thread(
-        target=post, args=("/init_weight_transfer_engine", {"init_info": init_info})
+        target=_post, args=(server, "/init_weight_transfer_engine", {"init_info": init_info})
     )
     joining.start()
     dist.init_process_group(
@@ -102,7 +104,12 @@ def torch_trainer(model: torch.nn.Module, version: str, api_key: str, url: str) 
         timeout=timedelta(seconds=60),
     )
     joining.join()
-    post("/start_weight_update", {})
+    return server
+
+
+def torch_send(server: httpx.Client, model: torch.nn.Module, version: str) -> None:
+    """start, one ``dist.broadcast`` per tensor beside ``/update_weights``, finish, leave."""
+    _post(server, "/start_weight_update", {})
     params = [(name, p.detach()) for name, p in model.named_parameters()]
     update_info = {
         "names": [name for name, _ in params],
@@ -110,15 +117,19 @@ def torch_trainer(model: torch.nn.Module, version: str, api_key: str, url: str) 
         "shapes": [list(p.shape) for _, p in params],
     }
     receiving = threading.Thread(
-        target=post, args=("/update_weights", {"update_info": update_info})
+        target=_post, args=(server, "/update_weights", {"update_info": update_info})
     )
     receiving.start()
     for _, param in params:
         dist.broadcast(param, src=0)
     receiving.join()
-    post("/finish_weight_update", {"weight_version": version})
-    post("/shutdown_weight_transfer_engine", {})
+    _post(server, "/finish_weight_update", {"weight_version": version})
+    _post(server, "/shutdown_weight_transfer_engine", {})
     dist.destroy_process_group()
+
+
+def _post(server: httpx.Client, path: str, body: dict) -> None:
+    server.post(path, json=body).raise_for_status()
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ it sends, so a request can be in flight across its update.
 
     python -m tests.frameworks.plain_trainer MODEL_DIR OUT_DIR VERSION URL
 
-One AdamW step (saved to OUT_DIR), "ready"; on a line from stdin, the update, "sent".
+One AdamW step (saved to OUT_DIR), the group joined, "ready"; on a line from stdin, the update,
+"sent".
 """
 
 from __future__ import annotations
@@ -14,17 +15,18 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.weight_trainer import one_step, torch_trainer
+from tests.weight_trainer import one_step, torch_join, torch_send
 
 
 def main(model_dir: str, out_dir: str, version: str, url: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     one_step(model)
     model.save_pretrained(out_dir)
-    print("ready", flush=True)
-    sys.stdin.readline()
     # The server holds no key (the frameworks send none); an empty one is no valid header.
-    torch_trainer(model, version, "unused", url)
+    server = torch_join("unused", url)
+    print("ready", flush=True)  # joined: the update alone spans the test's held request
+    sys.stdin.readline()
+    torch_send(server, model, version)
     print("sent", flush=True)
 
 
