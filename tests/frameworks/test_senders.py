@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -144,8 +145,28 @@ def test_areal_remote_sglang_engine(
     all of the old weights; AReaL resubmits prompt + those tokens (``agenerate``), and the
     continuation is the new weights'."""
     trained = tmp_path / "trained"
+    final, partial = _areal_round(
+        "sglang", "areal-1", frameworks_server, prompt_ids, base_dir, trained
+    )
+    assert 2 <= len(partial) < 500
+    assert final["weight_versions"] == [{"version": "base", "start": 0, "end": len(partial)}]
+    assert not ok(server.get("/is_paused"))["is_paused"]
+    assert_updated(server, trained, prompt_ids + partial, "areal-1")
+
+
+def _areal_round(
+    engine: str,
+    version: str,
+    frameworks_server: Server,
+    prompt_ids: list[int],
+    base_dir: Path,
+    trained: Path,
+) -> tuple[dict[str, Any], list[int]]:
+    """AReaL's trainer updates the server (``engine``: its remote engine's kind) while a request
+    is in flight; that request's final chunk (its finish reason checked: AReaL's pause aborts
+    it) and its tokens."""
     address = f"127.0.0.1:{frameworks_server.port}"
-    args = ("sglang", str(base_dir), str(trained), address, "areal-1")
+    args = (engine, str(base_dir), str(trained), address, version)
     with TrainerProcess("tests.frameworks.areal_trainer", *args) as trainer:
         held = Stream(frameworks_server, prompt_ids, max_tokens=500, ignore_eos=True)
         held.wait_for_tokens(2)
@@ -153,11 +174,7 @@ def test_areal_remote_sglang_engine(
         trainer.sent()
     final = held.final()
     assert final["finish_reason"] == "abort"
-    partial = held.tokens()
-    assert 2 <= len(partial) < 500
-    assert final["weight_versions"] == [{"version": "base", "start": 0, "end": len(partial)}]
-    assert not ok(server.get("/is_paused"))["is_paused"]
-    assert_updated(server, trained, prompt_ids + partial, "areal-1")
+    return final, held.tokens()
 
 
 def test_areal_remote_vllm_engine(
@@ -176,16 +193,9 @@ def test_areal_remote_vllm_engine(
         # (/areal_set_update_weight_meta, /areal_update_weights_xccl): not served yet.
         pytest.skip("tokenwire serves no /areal_set_update_weight_meta (AReaL's two-step update)")
     trained = tmp_path / "trained"
-    address = f"127.0.0.1:{frameworks_server.port}"
-    args = ("vllm", str(base_dir), str(trained), address, "areal-vllm-1")
-    with TrainerProcess("tests.frameworks.areal_trainer", *args) as trainer:
-        held = Stream(frameworks_server, prompt_ids, max_tokens=500, ignore_eos=True)
-        held.wait_for_tokens(2)
-        trainer.go()
-        trainer.sent()
-    final = held.final()
-    assert final["finish_reason"] == "abort"
-    partial = held.tokens()
+    final, partial = _areal_round(
+        "vllm", "areal-vllm-1", frameworks_server, prompt_ids, base_dir, trained
+    )
     assert final["weight_versions"] == [{"version": "base", "start": 0, "end": len(partial)}]
     assert_updated(server, trained, prompt_ids + partial, "areal-vllm-1")
 

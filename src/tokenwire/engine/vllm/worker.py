@@ -14,7 +14,7 @@ this update or an earlier one); until then they wait here.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 WORKER_EXTENSION = "tokenwire.engine.vllm.worker.TokenwireWorkerExtension"
@@ -150,11 +150,13 @@ class TokenwireWorkerExtension:
         tensors all came: ``{"refused": None, "result": the names still waiting for the rest of
         their layer}``, or ``{"refused": why}`` when the call came other than announced (nothing
         of it loaded; the group is left)."""
-        try:
-            received = self._tokenwire_receive(tensors, packed, buffer_size_bytes, allow_nonfinite)
-        except _Refused as exc:
-            return {"refused": str(exc)}
-        return {"refused": None, "result": self._tokenwire_load(received.items())}
+        return self._tokenwire_answer(
+            tensors,
+            packed,
+            buffer_size_bytes,
+            allow_nonfinite,
+            lambda r: self._tokenwire_load(r.items()),
+        )
 
     def tokenwire_receive_tensors(
         self,
@@ -168,11 +170,24 @@ class TokenwireWorkerExtension:
         ``tokenwire_receive_weights``' answer."""
         from tokenwire.weight_transfer import safetensors_bytes
 
+        return self._tokenwire_answer(
+            tensors, packed, buffer_size_bytes, allow_nonfinite, safetensors_bytes
+        )
+
+    def _tokenwire_answer(
+        self,
+        tensors: Sequence[tuple[str, str, list[int]]],
+        packed: bool,
+        buffer_size_bytes: int,
+        allow_nonfinite: bool,
+        then: Callable[[dict[str, Any]], Any],
+    ) -> dict[str, Any]:
+        """Receive one call, and answer ``then`` of what came, or why it was refused."""
         try:
             received = self._tokenwire_receive(tensors, packed, buffer_size_bytes, allow_nonfinite)
         except _Refused as exc:
             return {"refused": str(exc)}
-        return {"refused": None, "result": safetensors_bytes(received)}
+        return {"refused": None, "result": then(received)}
 
     def _tokenwire_receive(
         self,
