@@ -173,6 +173,10 @@ class Server:
         command = [sys.executable, "-m", "tokenwire.cli", "serve", "--port", str(self.port), *args]
         if api_key:
             command += ["--api-key", api_key]
+        if "--session-store" not in args:
+            # Its own store: the default one in the user's cache outlives the run (a store left
+            # there by another checkout's schema made a session turn of the tour a 500).
+            command += ["--session-store", str(log_path.parent / "sessions.sqlite3")]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)

@@ -157,6 +157,8 @@ def serve_fast(
     if "--served-model-name" not in args:
         args = [*args, "--served-model-name", model]
     argv = [*args, "--model", str(view)]
+    if "--session-store" not in argv:  # its own, not the one in the user's cache
+        argv += ["--session-store", str(view.parent / "sessions.sqlite3")]
     if api_key:
         argv += ["--api-key", api_key]
     settings = parse_serve_args(argv)
