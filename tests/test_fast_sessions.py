@@ -2,7 +2,9 @@
 extend each other's exact ids, a rewritten history starts a new segment with its reason, the
 trajectory's loss mask covers exactly the sampled ids, bad input leaves a session as it was,
 sessions stay apart (16 at once), the routes need the API key, and the store survives a
-reopen."""
+reopen. A session is its key's (another key, the router's key: not found or refused); eight
+turns of one session at once are all recorded; a session deleted mid-turn, over its byte
+bound, expired, or a full disk: the turn is still answered, and its headers say so."""
 
 from __future__ import annotations
 
@@ -13,24 +15,33 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 
-from tests.conftest import API_KEY, QWEN3_SERVER_ARGS
+from tests.conftest import API_KEY, CONTROL_KEY, QWEN3_SERVER_ARGS
 from tests.fake_engine import Gate, Step
 from tests.fast_app import FastApp, serve_fast
 from tests.test_fast_anthropic import ANTHROPIC_TOOLS, IM_END, THINK_AND_CALL
-from tokenwire.pipeline.session_store import Head, SessionStore, Turn
+from tokenwire.pipeline.session_store import Head, NewTurn, Owner, SessionStore
 
 ANSWER = "<think>\nEasy.\n</think>\n\nIt is sunny in Paris."
 
 
+OTHER_KEY = "another-client-key"
+ROUTER_KEY = "the-router-key"
+KEYS = ["--api-key", API_KEY, OTHER_KEY, "--control-api-key", CONTROL_KEY]
+
+
 @pytest.fixture(scope="module")
 def fast(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastApp]:
+    """Two client keys, the trainer's control key and the router's; the client sends
+    ``API_KEY``."""
     store = tmp_path_factory.mktemp("sessions") / "sessions.sqlite3"
-    yield from serve_fast(
-        tmp_path_factory, [*QWEN3_SERVER_ARGS, "--session-store", str(store)], API_KEY
-    )
+    args = [*QWEN3_SERVER_ARGS, "--session-store", str(store), *KEYS]
+    for app in serve_fast(tmp_path_factory, [*args, "--router-api-key", ROUTER_KEY]):
+        app.client.headers["Authorization"] = f"Bearer {API_KEY}"
+        yield app
 
 
 @pytest.fixture
@@ -228,24 +239,34 @@ def test_sixteen_sessions_at_once_stay_apart(app: FastApp) -> None:
     assert len(seen) == 1  # the same scripted episode: the same ids, in each its own
 
 
+OWNER = Owner.of(b"k", control=False)
+
+
+def new_turn(head: Head | None, prompt: int = 100) -> NewTurn:
+    data = {"sampled_ids": [2], "logprobs": [0.0]}
+    ids = [*(head.token_ids if head else []), *[1] * prompt]
+    return NewTurn(head, 0, None, ids, [2], data, [], "")
+
+
+async def record_turns(store: SessionStore, session: str, turns: int) -> None:
+    for _ in range(turns):
+        head = await store.head(session, OWNER)
+        assert (await store.record(session, OWNER, new_turn(head))).turn is not None
+
+
 def test_store_survives_reopen_and_is_bounded(tmp_path: Path) -> None:
     path = str(tmp_path / "s.sqlite3")
-
-    async def record(store: SessionStore, session: str, turns: int) -> None:
-        for turn in range(turns):
-            data = {"prompt_ids": [1] * 100, "sampled_ids": [2], "logprobs": [0.0]}
-            head = Head(turn + 1, 0, [1, 2], [], "")
-            await store.append(session, Turn(0, None, data), head)
-
     store = SessionStore(path, max_bytes=10**6, ttl_s=3600)
-    asyncio.run(record(store, "a", 3))
+    asyncio.run(record_turns(store, "a", 3))
+    (size,) = [s["bytes"] for s in asyncio.run(store.sessions(OWNER))]
     store.close()
-    again = SessionStore(path, max_bytes=1200, ttl_s=3600)
-    turns = asyncio.run(again.turns("a"))
-    assert turns is not None and len(turns) == 3
-    asyncio.run(record(again, "b", 3))  # over the budget: the older session goes
-    assert asyncio.run(again.turns("a")) is None
-    assert [s["id"] for s in asyncio.run(again.sessions())] == ["b"]
+    # Room for one session of three such turns, not two.
+    again = SessionStore(path, max_bytes=2 * size - 1, ttl_s=3600, max_session_bytes=size)
+    stored = asyncio.run(again.stored("a", OWNER))
+    assert stored is not None and len(stored.turns) == 3
+    asyncio.run(record_turns(again, "b", 3))  # over the budget: the older session goes
+    assert asyncio.run(again.stored("a", OWNER)) is None
+    assert [s["id"] for s in asyncio.run(again.sessions(OWNER))] == ["b"]
     again.close()
 
 
@@ -273,3 +294,72 @@ def test_two_requests_of_one_session_at_once(app: FastApp) -> None:
     assert reasons[0] == "the tools or chat template options changed"  # no tools this time
     assert reasons[1].startswith("another request of this session")
     assert_exact(result)
+
+
+FINE = "Fine."
+HELLO = [{"role": "user", "content": "Hello?"}]
+
+
+def answer_fine(app: FastApp, gate: Gate | None = None) -> None:
+    """Every request answers "Fine." (held at its first token by ``gate``, if any)."""
+    answer = [*app.tokenize(FINE), IM_END]
+    app.engine.script = lambda *_: [Step(answer[0], gate=gate), *answer[1:]]
+
+
+def chat_turn(
+    app: FastApp, session: str, messages: list[dict[str, Any]], **headers: str
+) -> httpx.Response:
+    body = {"messages": messages, "max_tokens": 16}
+    return app.client.post(
+        "/v1/chat/completions", json=body, headers={"X-Session-ID": session, **headers}
+    )
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_a_session_is_its_keys(app: FastApp, tmp_path: Path) -> None:
+    answer_fine(app)
+    assert chat_turn(app, "mine", HELLO).headers["X-Session-Turn"] == "0"
+    mine = trajectory(app, "mine")
+    other, control = bearer(OTHER_KEY), bearer(CONTROL_KEY)
+    calls = len(app.engine.calls)
+    # Another key: the session does not exist, to read, list, delete or append to.
+    assert app.client.get("/v1/sessions/mine", headers=other).status_code == 404
+    assert app.client.delete("/v1/sessions/mine", headers=other).status_code == 404
+    listed = app.client.get("/v1/sessions", headers=other).json()["data"]
+    assert "mine" not in [s["id"] for s in listed]
+    refused = chat_turn(app, "mine", HELLO, **other)
+    assert refused.status_code == 404 and "another API key" in refused.text
+    assert len(app.engine.calls) == calls
+    # Its own key, in Anthropic's header too (older SDKs send only x-api-key).
+    anthropic_style = {"Authorization": "", "x-api-key": API_KEY}
+    assert app.client.get("/v1/sessions/mine", headers=anthropic_style).json() == mine
+    # The control key (the trainer's) reads and lists every session.
+    assert app.client.get("/v1/sessions/mine", headers=control).json() == mine
+    listed = app.client.get("/v1/sessions", headers=control).json()["data"]
+    assert "mine" in [s["id"] for s in listed]
+    # The router's key opens the stateless routes only: nothing that generates or reads
+    # sessions answers with it, as vllm-router sends it on the routes it does not know.
+    router = bearer(ROUTER_KEY)
+    for method, path, body in [
+        ("GET", "/v1/sessions", None),
+        ("GET", "/v1/sessions/mine", None),
+        ("DELETE", "/v1/sessions/mine", None),
+        ("POST", "/v1/messages", {"max_tokens": 8, "messages": HELLO}),
+        ("POST", "/v1/responses", {"input": "Hello?"}),
+        ("POST", "/v1/chat/completions", {"messages": HELLO}),
+    ]:
+        response = app.client.request(method, path, json=body, headers=router)
+        assert response.status_code == 401, (path, response.text)
+        assert "--router-api-key" in response.json()["error"]["message"]
+    assert len(app.engine.calls) == calls
+    render = {"messages": HELLO}
+    assert app.client.post("/v1/chat/completions/render", json=render, headers=router).is_success
+    assert app.client.post("/tokenize", json={"prompt": "Hi"}, headers=router).is_success
+    # The owner is kept as a hash: the key itself is nowhere in the store's files.
+    database = Path(app.client.app.state.pipeline.session_store().path)
+    stored = b"".join(path.read_bytes() for path in database.parent.glob(database.name + "*"))
+    assert b"mine" in stored and API_KEY.encode() not in stored
+    assert app.client.delete("/v1/sessions/mine").json() == {"id": "mine", "deleted": True}

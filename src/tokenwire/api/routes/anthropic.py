@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from tokenwire.api.admission import admitted
+from tokenwire.api.control_key import STATELESS
 from tokenwire.api.disconnect import unless_disconnected
 from tokenwire.api.openapi import MEDIA_ERRORS, streamed
 from tokenwire.api.responses import OrjsonResponse
@@ -35,20 +36,26 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
     chat = anthropic.chat_request(body, request_id=anthropic.new_message_id())
     await admitted(request, pipeline)
     run = await start_chat_completion(
-        pipeline, chat, session_id=session_header(request), dialect="anthropic"
+        pipeline, chat, session=session_header(request), dialect="anthropic"
     )
     if body.stream:
         return sse_response(anthropic.message_events(run), named=True)
-    return OrjsonResponse(await unless_disconnected(request, anthropic.message(run)))
+    message = await unless_disconnected(request, anthropic.message(run))
+    return OrjsonResponse(message, headers=run.session_headers())
 
 
 @router.post(
-    "/v1/messages/count_tokens", response_model=CountTokensResponse, responses=MEDIA_ERRORS
+    "/v1/messages/count_tokens",
+    response_model=CountTokensResponse,
+    responses=MEDIA_ERRORS,
+    tags=[STATELESS],
 )
 async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
     return OrjsonResponse(await anthropic.count_tokens(pipeline_of(request), body))
 
 
-@router.post("/v1/messages/render", response_model=GenerateRequest, responses=MEDIA_ERRORS)
+@router.post(
+    "/v1/messages/render", response_model=GenerateRequest, responses=MEDIA_ERRORS, tags=[STATELESS]
+)
 async def render_messages(body: MessagesRequest, request: Request) -> Response:
     return OrjsonResponse(await anthropic.render_messages(pipeline_of(request), body))

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from tokenwire.api.admission import admitted
+from tokenwire.api.control_key import STATELESS
 from tokenwire.api.disconnect import unless_disconnected
 from tokenwire.api.openapi import MEDIA_ERRORS, streamed
 from tokenwire.api.responses import OrjsonResponse
@@ -33,14 +34,17 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     chat = responses_api.chat_request(body, request_id=responses_api.new_response_id())
     await admitted(request, pipeline)
     started = await start_chat_completion(
-        pipeline, chat, session_id=session_header(request), dialect="responses"
+        pipeline, chat, session=session_header(request), dialect="responses"
     )
     run = responses_api.ResponseRun(started, body)
     if body.stream:
         return sse_response(run.events(), named=True)
-    return OrjsonResponse(await unless_disconnected(request, run.response()))
+    response = await unless_disconnected(request, run.response())
+    return OrjsonResponse(response, headers=started.session_headers())
 
 
-@router.post("/v1/responses/render", response_model=GenerateRequest, responses=MEDIA_ERRORS)
+@router.post(
+    "/v1/responses/render", response_model=GenerateRequest, responses=MEDIA_ERRORS, tags=[STATELESS]
+)
 async def render_response(body: ResponsesRequest, request: Request) -> Response:
     return OrjsonResponse(await responses_api.render_response(pipeline_of(request), body))
