@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import anthropic
 import httpx
@@ -23,7 +24,7 @@ from tests.conftest import API_KEY, CONTROL_KEY, QWEN3_SERVER_ARGS
 from tests.fake_engine import Gate, Step
 from tests.fast_app import FastApp, serve_fast
 from tests.test_fast_anthropic import ANTHROPIC_TOOLS, IM_END, THINK_AND_CALL
-from tokenwire.pipeline.session_store import Head, NewTurn, Owner, SessionStore
+from tokenwire.pipeline.session_store import RACED, REMOVED, Head, NewTurn, Owner, SessionStore
 
 ANSWER = "<think>\nEasy.\n</think>\n\nIt is sunny in Paris."
 
@@ -363,3 +364,148 @@ def test_a_session_is_its_keys(app: FastApp, tmp_path: Path) -> None:
     stored = b"".join(path.read_bytes() for path in database.parent.glob(database.name + "*"))
     assert b"mine" in stored and API_KEY.encode() not in stored
     assert app.client.delete("/v1/sessions/mine").json() == {"id": "mine", "deleted": True}
+
+
+def test_eight_turns_of_one_session_at_once(app: FastApp) -> None:
+    """All eight prompts are built before any is recorded: one extends the head, the seven
+    recorded after it each stand in a segment of their own; none is lost, none a 5xx."""
+    answer_fine(app)
+    assert chat_turn(app, "eight", HELLO).status_code == 200
+    history = [*HELLO, {"role": "assistant", "content": FINE}, {"role": "user", "content": "?"}]
+    gate = Gate()
+    answer_fine(app, gate)
+    with ThreadPoolExecutor(8) as pool:
+        turns = [pool.submit(chat_turn, app, "eight", history) for _ in range(8)]
+        app.wait_until(lambda: len(app.engine.live) == 8)
+        gate.open()
+        responses = [turn.result() for turn in turns]
+    assert [r.status_code for r in responses] == [200] * 8
+    assert sorted(int(r.headers["X-Session-Turn"]) for r in responses) == list(range(1, 9))
+    result = trajectory(app, "eight")
+    assert len(result["turns"]) == 9
+    reasons = [segment["reason"] for segment in result["segments"]]
+    assert reasons == [None] + [RACED] * 7
+    assert result["segments"][0]["turns"] == [0, 1]
+    assert_exact(result)
+
+
+def test_a_session_deleted_mid_turn(app: FastApp) -> None:
+    answer_fine(app)
+    assert chat_turn(app, "gone", HELLO).status_code == 200
+    history = [*HELLO, {"role": "assistant", "content": FINE}, {"role": "user", "content": "?"}]
+    gate = Gate()
+    answer_fine(app, gate)
+    with ThreadPoolExecutor(1) as pool:
+        turn = pool.submit(chat_turn, app, "gone", history)
+        gate.wait_reached()
+        assert app.client.delete("/v1/sessions/gone").status_code == 200
+        gate.open()
+        response = turn.result()
+    assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"]
+    assert response.headers["X-Session-Unrecorded"] == REMOVED
+    assert "X-Session-Turn" not in response.headers
+    assert app.client.get("/v1/sessions/gone").status_code == 404
+    # The id starts anew.
+    answer_fine(app)
+    assert chat_turn(app, "gone", HELLO).headers["X-Session-Turn"] == "0"
+
+
+@pytest.fixture
+def small_store(app: FastApp, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SessionStore:
+    """The app's sessions in a store of 200 kB, 40 kB a session, on a file of its own."""
+    store = SessionStore(
+        str(tmp_path / "small.sqlite3"), max_bytes=200_000, ttl_s=3600, max_session_bytes=40_000
+    )
+    monkeypatch.setattr(app.client.app.state.pipeline, "sessions", store)
+    yield store
+    store.close()
+
+
+def test_a_session_over_its_bound_is_closed(app: FastApp, small_store: SessionStore) -> None:
+    answer_fine(app)
+    for session in ("a", "b"):
+        assert chat_turn(app, session, HELLO).status_code == 200
+    messages, recorded = list(HELLO), 0
+    while (response := chat_turn(app, "big", messages)).headers.get("X-Session-Turn"):
+        recorded += 1
+        assert recorded < 100
+        messages += [
+            {"role": "assistant", "content": FINE},
+            {"role": "user", "content": "x" * 2000},
+        ]
+    assert response.status_code == 200
+    assert response.headers["X-Session-Unrecorded"].startswith("the session takes no more turns")
+    assert "--session-max-bytes" in response.headers["X-Session-Unrecorded"]
+    refused = chat_turn(app, "big", [*messages, {"role": "user", "content": "more"}])
+    assert refused.status_code == 409 and "takes no more turns" in refused.text
+    big = trajectory(app, "big")
+    assert len(big["turns"]) == recorded and "--session-max-bytes" in big["closed"]
+    listed = {s["id"]: s for s in app.client.get("/v1/sessions").json()["data"]}
+    assert set(listed) == {"a", "b", "big"}  # its growth evicted no one
+    assert listed["big"]["bytes"] <= 40_000 and listed["big"]["closed"] == big["closed"]
+    assert app.client.delete("/v1/sessions/big").status_code == 200
+    assert chat_turn(app, "big", HELLO).headers["X-Session-Turn"] == "0"
+
+
+def test_an_expired_session_is_gone(app: FastApp, small_store: SessionStore) -> None:
+    answer_fine(app)
+    assert chat_turn(app, "old", HELLO).status_code == 200
+    small_store.ttl_s = 0  # every session is now past its TTL
+    assert app.client.get("/v1/sessions/old").status_code == 404
+    assert app.client.get("/v1/sessions").json()["data"] == []
+    history = [*HELLO, {"role": "assistant", "content": FINE}, {"role": "user", "content": "?"}]
+    assert chat_turn(app, "old", history).headers["X-Session-Turn"] == "0"  # not continued
+    small_store.ttl_s = 3600
+    result = trajectory(app, "old")
+    assert len(result["turns"]) == 1 and result["segments"][0]["reason"] is None
+
+
+def test_every_accepted_id_reads_and_deletes(app: FastApp) -> None:
+    answer_fine(app)
+    odd = "a b?c#d%e&f=g+h~i\\j'k\"l<m>n{o}p|q"
+    assert chat_turn(app, odd, HELLO).status_code == 200
+    path = "/v1/sessions/" + quote(odd, safe="")
+    assert app.client.get(path).json()["id"] == odd
+    assert app.client.delete(path).status_code == 200
+    for refused in ("run/17", "caf\xe9", "tab\there"):
+        response = app.client.post(
+            "/v1/chat/completions",
+            json={"messages": HELLO},
+            headers={"X-Session-ID": refused.encode("latin-1")},
+        )
+        assert response.status_code == 400 and "without '/'" in response.text, refused
+
+
+def test_a_full_disk_loses_the_record_not_the_answer(
+    app: FastApp, small_store: SessionStore
+) -> None:
+    answer_fine(app)
+    messages = list(HELLO)
+    for _ in range(4):
+        assert "X-Session-Turn" in chat_turn(app, "first", messages).headers
+        messages += [
+            {"role": "assistant", "content": FINE},
+            {"role": "user", "content": "x" * 3000},
+        ]
+
+    def fill() -> None:  # SQLite's own limit: past these pages, "database or disk is full"
+        small_store._db.execute("VACUUM")  # no free page left inside the file either
+        (pages,) = small_store._db.execute("PRAGMA page_count").fetchone()
+        small_store._db.execute(f"PRAGMA max_page_count = {pages}")
+
+    small_store._thread.submit(fill).result()
+    long = [{"role": "user", "content": "y" * 6000}]
+    response = chat_turn(app, "second", long)
+    assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"]
+    assert "database or disk is full" in response.headers["X-Session-Unrecorded"]
+    body = {"messages": long, "max_tokens": 16, "stream": True}
+    with app.client.stream(
+        "POST", "/v1/chat/completions", json=body, headers={"X-Session-ID": "second"}
+    ) as stream:
+        assert stream.status_code == 200 and stream.read().endswith(b"data: [DONE]\n\n")
+    assert app.client.get("/v1/sessions/second").status_code == 404
+    assert len(trajectory(app, "first")["turns"]) == 4  # as it was
+    # Deleting needs no new page, and frees those the next turns take.
+    assert app.client.delete("/v1/sessions/first").status_code == 200
+    last = chat_turn(app, "second", long)
+    assert last.headers.get("X-Session-Turn") == "0", last.headers

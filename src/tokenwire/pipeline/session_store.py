@@ -230,7 +230,8 @@ class SessionStore:
             result = work()
             db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            if db.in_transaction:  # SQLite rolls back itself on some errors (a full disk)
+                db.execute("ROLLBACK")
             raise
         return result
 
