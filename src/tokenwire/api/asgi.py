@@ -153,24 +153,20 @@ class FrontMiddleware:
     def _authorize(self, scope: Scope, method: str) -> str | None:
         """Why the request is refused (None: it may go on); notes in the scope whether it holds
         the control key, for routes where the body decides (``require_control_key``), and the
-        credential it holds (``CREDENTIAL``: the key that matched, else the first it sent)."""
+        key it sent (``CREDENTIAL``)."""
         given = _presented(scope)
         control = self.control_key
-        holds_control = control is None or _any_equal(given, (control,))
+        holds_control = control is None or _is_one_of(given, (control,))
         scope[HOLDS_CONTROL_KEY] = holds_control
-        matched = next((key for key in given if _any_equal([key], self.inference_keys)), None)
-        if holds_control and control is not None:
-            matched = control
-        scope[CREDENTIAL] = matched if matched is not None else (given[0] if given else None)
+        scope[CREDENTIAL] = given
         path = scope["path"]
         if path in OPEN_PATHS or holds_control:
             return None
         if self.control_routes.need_key(method, path):
             return CONTROL_KEY_MISSING
-        if self.inference_keys and matched is None:
-            if self.router_key is not None and _any_equal(given, (self.router_key,)):
+        if self.inference_keys and not _is_one_of(given, self.inference_keys):
+            if self.router_key is not None and _is_one_of(given, (self.router_key,)):
                 if self.stateless_routes.need_key(method, path):
-                    scope[CREDENTIAL] = None  # the router's key owns nothing
                     return None
                 return ROUTER_KEY_REFUSED
             return "Missing or invalid API key"
@@ -228,26 +224,24 @@ class FrontMiddleware:
                 return b"".join(chunks)
 
 
-def _presented(scope: Scope) -> list[bytes]:
-    """The keys a request sends: ``Authorization: Bearer KEY`` (OpenAI's, vLLM's), then
-    ``x-api-key: KEY`` (Anthropic's; older SDKs and litellm send only this one)."""
-    given = []
-    authorization = header(scope, b"authorization")
-    if authorization is not None and authorization.startswith(b"Bearer "):
-        given.append(authorization[7:])
+def _presented(scope: Scope) -> bytes | None:
+    """The key a request sends: ``x-api-key: KEY`` (Anthropic's header, the one its API
+    checks; older SDKs and litellm send only this), else ``Authorization: Bearer KEY``."""
     api_key = header(scope, b"x-api-key")
     if api_key is not None:
-        given.append(api_key)
-    return given
+        return api_key
+    authorization = header(scope, b"authorization")
+    if authorization is not None and authorization.startswith(b"Bearer "):
+        return authorization[7:]
+    return None
 
 
-def _any_equal(given: list[bytes], keys: tuple[bytes, ...]) -> bool:
-    """Whether one of ``given`` is one of ``keys``; every pair compared in constant time (no
-    early exit, so the time says nothing of which key came close)."""
+def _is_one_of(given: bytes | None, keys: tuple[bytes, ...]) -> bool:
+    """Whether ``given`` is one of ``keys``, each compared in constant time (no early exit,
+    so the time says nothing of which key came close)."""
     found = False
-    for sent in given:
-        for key in keys:
-            found |= hmac.compare_digest(sent, key)
+    for key in keys:
+        found |= given is not None and hmac.compare_digest(given, key)
     return found
 
 
