@@ -7,6 +7,8 @@ rule are the chat route's, so a message and the same chat completion give the sa
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -199,7 +201,8 @@ def _header(run: CompletionRun, message_id: str) -> dict[str, Any]:
 def _content_blocks(reply: dict[str, Any]) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
     if reply.get("reasoning_content"):
-        blocks.append({"type": "thinking", "thinking": reply["reasoning_content"], "signature": ""})
+        thinking = reply["reasoning_content"]
+        blocks.append({"type": "thinking", "thinking": thinking, "signature": signature(thinking)})
     if reply.get("content"):
         blocks.append({"type": "text", "text": reply["content"]})
     for call in reply.get("tool_calls") or ():
@@ -262,6 +265,7 @@ class _BlockStream:
     def __init__(self) -> None:
         self.index = -1
         self.open: str | None = None
+        self.thinking: list[str] = []  # the open thinking block's text, for its signature
 
     def text(self, kind: str, text: str) -> list[dict[str, Any]]:
         events = []
@@ -275,6 +279,8 @@ class _BlockStream:
             events.append(
                 {"type": "content_block_start", "index": self.index, "content_block": block}
             )
+        if kind == "thinking":
+            self.thinking.append(text)
         delta = {"type": _TEXT_DELTAS[kind], kind: text}
         events.append({"type": "content_block_delta", "index": self.index, "delta": delta})
         return events
@@ -295,8 +301,21 @@ class _BlockStream:
     def close(self) -> list[dict[str, Any]]:
         if self.open is None:
             return []
+        events = []
+        if self.open == "thinking":  # as Anthropic streams it: the signature last
+            delta = {"type": "signature_delta", "signature": signature("".join(self.thinking))}
+            events.append({"type": "content_block_delta", "index": self.index, "delta": delta})
+            self.thinking = []
         self.open = None
-        return [{"type": "content_block_stop", "index": self.index}]
+        return [*events, {"type": "content_block_stop", "index": self.index}]
+
+
+def signature(thinking: str) -> str:
+    """A thinking block's ``signature``: opaque and never empty (pydantic-ai and others take
+    an empty one for a block to drop, and rewrite the history). Anthropic's signs the text;
+    this one is its hash, and nothing is checked when it comes back."""
+    digest = hashlib.sha256(b"tokenwire thinking\0" + thinking.encode()).digest()
+    return base64.b64encode(digest).decode()
 
 
 async def count_tokens(pipeline: Pipeline, body: CountTokensRequest) -> dict[str, Any]:
