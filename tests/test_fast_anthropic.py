@@ -227,6 +227,8 @@ def test_tool_result_renders_as_tool_message(fast_qwen3: FastApp) -> None:
             {},
             "cannot be in a user message",
         ),
+        # The SDK's tool runner continues a server-kept thread; dropped, the history is lost.
+        (WEATHER, {"thread": {"type": "continue", "previous_message_id": "msg_1"}}, "thread"),
     ],
 )
 def test_malformed_requests_are_400(

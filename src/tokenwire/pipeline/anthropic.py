@@ -44,6 +44,12 @@ def chat_request(
     body: CountTokensRequest, *, request_id: str | None = None
 ) -> ChatCompletionRequest:
     """The chat request with the same prompt and sampling as ``body``."""
+    if isinstance(body, MessagesRequest) and body.thread is not None:
+        raise InvalidRequest(
+            "thread is not supported: tokenwire keeps no threads; send the whole history in "
+            "messages (with an X-Session-ID header, the session extends it with its exact ids)",
+            "thread",
+        )
     messages: list[dict[str, Any]] = []
     if body.system:
         system = body.system

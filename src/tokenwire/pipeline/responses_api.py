@@ -29,15 +29,16 @@ from tokenwire.protocol.openai_responses import (
 )
 
 NO_STORE = (
-    "previous_response_id is not supported: tokenwire stores no responses (store: false); "
-    "send the whole history in input"
+    "{} is not supported: tokenwire stores no responses (store: false); send the whole history "
+    "in input (with an X-Session-ID header, the session extends it with its exact ids)"
 )
 
 
 def chat_request(body: ResponsesRequest, *, request_id: str | None = None) -> ChatCompletionRequest:
     """The chat request with the same prompt and sampling as ``body``."""
-    if body.previous_response_id is not None:
-        raise InvalidRequest(NO_STORE, "previous_response_id")
+    for field in ("previous_response_id", "conversation"):
+        if getattr(body, field) is not None:
+            raise InvalidRequest(NO_STORE.format(field), field)
     messages: list[dict[str, Any]] = []
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})

@@ -109,6 +109,9 @@ class MessagesRequest(CountTokensRequest):
     top_p: TopP | None = None
     top_k: TopK | None = None
     metadata: dict[str, Any] | None = None
+    # A server-kept thread (``{"type": "continue", "previous_message_id": ...}``): refused with
+    # a 400 that names it, never dropped (the history would be lost in silence).
+    thread: dict[str, Any] | None = None
 
 
 # -- answers (for the OpenAPI document; the pipeline builds them as dicts) -------------------
