@@ -246,7 +246,7 @@ OWNER = Owner.of(b"k", control=False)
 def new_turn(head: Head | None, prompt: int = 100) -> NewTurn:
     data = {"sampled_ids": [2], "logprobs": [0.0]}
     ids = [*(head.token_ids if head else []), *[1] * prompt]
-    return NewTurn(head, 0, None, ids, [2], data, [], "")
+    return NewTurn(head, 0, None, ids, [2], data, [], "", "chatcmpl-1")
 
 
 async def record_turns(store: SessionStore, session: str, turns: int) -> None:
@@ -509,3 +509,59 @@ def test_a_full_disk_loses_the_record_not_the_answer(
     assert app.client.delete("/v1/sessions/first").status_code == 200
     last = chat_turn(app, "second", long)
     assert last.headers.get("X-Session-Turn") == "0", last.headers
+
+
+def test_stateful_forms_continue_a_session(app: FastApp) -> None:
+    """Anthropic's thread and Responses' previous_response_id send only the new messages: the
+    session's last answer is continued by extend, in the same segment, exactly."""
+    headers = {"X-Session-ID": "threaded"}
+    base = {"max_tokens": 64, "tools": ANTHROPIC_TOOLS, "system": "Be brief."}
+    first = app.client.post(
+        "/v1/messages",
+        json={**base, "messages": [{"role": "user", "content": "Paris?"}]},
+        headers=headers,
+    ).json()
+    call = next(block for block in first["content"] if block["type"] == "tool_use")
+    result = {"type": "tool_result", "tool_use_id": call["id"], "content": "sunny"}
+    thread = {"type": "continue", "previous_message_id": first["id"]}
+    body = {**base, "messages": [{"role": "user", "content": [result]}], "thread": thread}
+    second = app.client.post("/v1/messages", json=body, headers=headers)
+    assert second.status_code == 200, second.text
+    assert second.headers["X-Session-Turn"] == "1"
+    for refused, param in [
+        (app.client.post("/v1/messages", json=body, headers=headers), "thread"),  # not the last
+        (app.client.post("/v1/messages", json=body), "thread"),  # no session
+        (app.client.post("/v1/messages/render", json=body, headers=headers), "thread"),
+        (
+            app.client.post(
+                "/v1/messages",
+                json={
+                    **body,
+                    "system": "Be long.",
+                    "thread": {**thread, "previous_message_id": second.json()["id"]},
+                },
+                headers=headers,
+            ),
+            "system",
+        ),
+    ]:
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    result = trajectory(app, "threaded")
+    assert len(result["turns"]) == 2 and [s["reason"] for s in result["segments"]] == [None]
+    assert_exact(result)
+
+    headers = {"X-Session-ID": "chained"}
+    tools = [{"type": "function", **t["function"]} for t in _chat_tools(ANTHROPIC_TOOLS)]
+    base = {"tools": tools, "instructions": "Be brief."}
+    first = app.client.post("/v1/responses", json={**base, "input": "Paris?"}, headers=headers)
+    call = next(item for item in first.json()["output"] if item["type"] == "function_call")
+    output = {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}
+    body = {**base, "input": [output], "previous_response_id": first.json()["id"]}
+    second = app.client.post("/v1/responses", json=body, headers=headers)
+    assert second.status_code == 200, second.text
+    assert second.json()["previous_response_id"] == first.json()["id"]
+    result = trajectory(app, "chained")
+    assert len(result["turns"]) == 2 and [s["reason"] for s in result["segments"]] == [None]
+    assert_exact(result)
+    stale = app.client.post("/v1/responses", json=body, headers=headers)
+    assert stale.status_code == 400 and "last answer" in stale.text

@@ -17,7 +17,15 @@ import orjson
 
 from tokenwire.pipeline.choice import Choice
 from tokenwire.pipeline.context import Pipeline
-from tokenwire.pipeline.dialect import ChatDeltas, arguments_object, chat_body, tool_call_ids
+from tokenwire.pipeline.dialect import (
+    ChatDeltas,
+    arguments_object,
+    chat_body,
+    check_continued_system,
+    continued_calls,
+    tool_call_ids,
+    uncontinued,
+)
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.openai import CompletionRun
 from tokenwire.pipeline.render import render_chat_request
@@ -41,21 +49,23 @@ _TEXT_DELTAS = {"thinking": "thinking_delta", "text": "text_delta"}
 
 
 def chat_request(
-    body: CountTokensRequest, *, request_id: str | None = None
+    body: CountTokensRequest,
+    *,
+    request_id: str | None = None,
+    history: list[dict[str, Any]] | None = None,
 ) -> ChatCompletionRequest:
-    """The chat request with the same prompt and sampling as ``body``."""
-    if isinstance(body, MessagesRequest) and body.thread is not None:
-        raise InvalidRequest(
-            "thread is not supported: tokenwire keeps no threads; send the whole history in "
-            "messages (with an X-Session-ID header, the session extends it with its exact ids)",
-            "thread",
-        )
+    """The chat request with the same prompt and sampling as ``body``; ``history``: the
+    session's messages a ``thread`` continues (``body.messages`` are the new ones)."""
+    if isinstance(body, MessagesRequest) and body.thread is not None and history is None:
+        raise uncontinued("thread")
     messages: list[dict[str, Any]] = []
-    if body.system:
-        system = body.system
-        text = system if isinstance(system, str) else "\n".join(b.text for b in system)
+    system = body.system
+    text = "\n".join(b.text for b in system) if isinstance(system, list) else system
+    if history is not None:
+        check_continued_system(history, text, "system")
+    elif text:
         messages.append({"role": "system", "content": text})
-    known_calls: set[str] = set()
+    known_calls = continued_calls(history)
     for index, message in enumerate(body.messages):
         where = f"messages.{index}"
         if message.role == "assistant":

@@ -35,6 +35,7 @@ from tokenwire.pipeline.render import (
     completion_request_id,
 )
 from tokenwire.pipeline.response_json import completion_json, usage_json
+from tokenwire.pipeline.session_store import Head
 from tokenwire.pipeline.sessions import SessionKey, SessionTurn, session_prompt
 from tokenwire.pipeline.stream_derender import chat_chunk_choice
 from tokenwire.protocol.generate import StreamOptions
@@ -334,6 +335,7 @@ async def start_chat_completion(
     *,
     session: SessionKey | None = None,
     dialect: str = "chat",
+    continued: Head | None = None,
 ) -> CompletionRun:
     """The chat request's run; with a ``session`` its prompt continues that session (see
     ``pipeline.sessions``) and the run records its turn there."""
@@ -343,7 +345,7 @@ async def start_chat_completion(
         prompt = await chat_prompt(pipeline, runtime, body)
     else:
         prompt, turn = await session_prompt(
-            pipeline, runtime, body, pipeline.session_store(), session, dialect
+            pipeline, runtime, body, pipeline.session_store(), session, dialect, continued
         )
     parsing: Parsing = await chat_parsing(pipeline, runtime, body, prompt.prompt.token_ids)
     job = start_job(

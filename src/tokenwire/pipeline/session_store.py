@@ -87,6 +87,9 @@ class Head:
     token_ids: list[int]  # the last turn's prompt + sampled ids
     messages: list[dict[str, Any]]  # the last turn's chat messages, ending with its reply
     context: str  # tools and template options the ids were rendered with
+    # The last answer's id (chatcmpl-, msg_, resp_): what Anthropic's ``thread`` and Responses'
+    # ``previous_response_id`` name to continue from it.
+    reply_id: str | None = None
     # When the session was created: a session deleted and made anew under the same id while a
     # turn ran is not the one that turn continues. Not stored in the head (the row has it).
     created: float = field(default=0.0, compare=False)
@@ -99,6 +102,7 @@ class Head:
                 "token_ids": self.token_ids,
                 "messages": self.messages,
                 "context": self.context,
+                "reply_id": self.reply_id,
             }
         )
 
@@ -128,6 +132,7 @@ class NewTurn:
     data: dict[str, Any]  # dialect, sampled_ids, logprobs, finish_reason, weight_versions
     messages: list[dict[str, Any]]  # the request's messages and the reply it got
     context: str
+    reply_id: str  # the answer's id
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,8 +277,9 @@ class SessionStore:
             prompt = {"prompt_tail": turn.prompt_ids[len(based.token_ids) :]}
         data = orjson.dumps({**prompt, **turn.data})
         token_ids = [*turn.prompt_ids, *turn.sampled_ids]
-        head = Head(turns + 1, segment, token_ids, turn.messages, turn.context).to_json()
-        size = (row[3] - row[4] if row is not None else 0) + len(data) + len(head)
+        head = Head(turns + 1, segment, token_ids, turn.messages, turn.context, turn.reply_id)
+        head_json = head.to_json()
+        size = (row[3] - row[4] if row is not None else 0) + len(data) + len(head_json)
         if size > self.max_session_bytes:
             closed = (
                 f"it would hold {size} bytes, over the bound of {self.max_session_bytes} on one "
@@ -290,7 +296,7 @@ class SessionStore:
             "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE "
             "SET updated = excluded.updated, turns = excluded.turns, bytes = excluded.bytes, "
             "head = excluded.head",
-            (session_id, now, now, turns + 1, size, head, owner.digest),
+            (session_id, now, now, turns + 1, size, head_json, owner.digest),
         )
         self._evict(session_id, now)
         return Recorded(turns)

@@ -75,6 +75,7 @@ class SessionTurn:
     reason: str | None
     messages: list[dict[str, Any]]
     context: str
+    reply_id: str  # the answer's id (what a stateful form names to continue from it)
     recorded: Recorded | None = field(default=None)
 
     async def record(self, choice: Choice, reply: dict[str, Any]) -> None:
@@ -97,6 +98,7 @@ class SessionTurn:
             data,
             [*self.messages, reply],
             self.context,
+            self.reply_id,
         )
         self.recorded = await self.store.record(self.key.id, self.key.owner, turn)
 
@@ -116,13 +118,20 @@ async def session_prompt(
     store: SessionStore,
     key: SessionKey,
     dialect: str,
+    continued: Head | None = None,
 ) -> tuple[ChatPrompt, SessionTurn]:
     """The prompt of a session's next turn: extended from the session's head where the request
-    continues it, else the full render (a new segment, with the reason)."""
+    continues it, else the full render (a new segment, with the reason). ``continued``: the
+    head a stateful form named (``continued_head``); the request's messages are the new ones."""
     if body.n != 1:
         raise InvalidRequest("a session turn samples one choice: n must be 1", "n")
-    head = await store.head(key.id, key.owner)
+    head = continued or await store.head(key.id, key.owner)
     messages = [message.model_dump(exclude_unset=True) for message in body.messages]
+    if continued is not None:
+        messages = [*continued.messages, *messages]
+        body = ChatCompletionRequest.model_validate(
+            {**body.model_dump(exclude_unset=True), "messages": messages}
+        )
     context = _context(body)
     reason = _rewritten(head, messages, context) if head is not None else None
     if chat_media_refs(body.messages) and head is not None and reason is None:
@@ -152,8 +161,33 @@ async def session_prompt(
     if prompt is None:
         prompt = await chat_prompt(pipeline, runtime, body, record=True)
     segment = 0 if head is None else head.segment + (reason is not None)
-    turn = SessionTurn(store, key, dialect, head, segment, reason, messages, context)
+    turn = SessionTurn(
+        store, key, dialect, head, segment, reason, messages, context, prompt.request_id
+    )
     return prompt, turn
+
+
+async def continued_head(
+    store: SessionStore, key: SessionKey | None, param: str, reply_id: str
+) -> Head:
+    """The head a stateful form (``param``: Anthropic's ``thread``, Responses'
+    ``previous_response_id``) continues: the session's, whose last answer must be
+    ``reply_id``. Only a session's last answer is kept, so only it can be continued."""
+    if key is None:
+        raise InvalidRequest(
+            f"{param} continues a recorded session: send its X-Session-ID header (tokenwire "
+            "keeps answers in sessions only), or the whole history",
+            param,
+        )
+    head = await store.head(key.id, key.owner)
+    if head is None or head.reply_id != reply_id:
+        last = f"its last answer is {head.reply_id!r}" if head else "it has no turn yet"
+        raise InvalidRequest(
+            f"{param}: {reply_id!r} is not the last answer of session {key.id!r} ({last}); "
+            "only a session's last answer can be continued: send the whole history",
+            param,
+        )
+    return head
 
 
 def _context(body: ChatCompletionRequest) -> str:

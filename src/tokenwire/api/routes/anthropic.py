@@ -14,6 +14,7 @@ from tokenwire.api.sse import sse_response
 from tokenwire.api.state import pipeline_of, session_header
 from tokenwire.pipeline import anthropic
 from tokenwire.pipeline.openai import start_chat_completion
+from tokenwire.pipeline.sessions import continued_head
 from tokenwire.protocol.anthropic import (
     AnthropicMessageResponse,
     AnthropicStreamEvent,
@@ -33,10 +34,16 @@ router = APIRouter(tags=["anthropic"])
 )
 async def messages(body: MessagesRequest, request: Request) -> Response:
     pipeline = pipeline_of(request)
-    chat = anthropic.chat_request(body, request_id=anthropic.new_message_id())
+    session = session_header(request)
+    continued = None
+    if body.thread is not None:
+        reply_id = body.thread.previous_message_id
+        continued = await continued_head(pipeline.session_store(), session, "thread", reply_id)
+    history = continued.messages if continued is not None else None
+    chat = anthropic.chat_request(body, request_id=anthropic.new_message_id(), history=history)
     await admitted(request, pipeline)
     run = await start_chat_completion(
-        pipeline, chat, session=session_header(request), dialect="anthropic"
+        pipeline, chat, session=session, dialect="anthropic", continued=continued
     )
     if body.stream:
         return sse_response(anthropic.message_events(run), named=True)
