@@ -125,6 +125,39 @@ def test_text_stop_sequence_and_max_tokens(fast_qwen3: FastApp) -> None:
     assert text == "Paris is nice. Really."
 
 
+def test_thinking_signature_is_opaque_and_comes_back(fast_qwen3: FastApp) -> None:
+    """Never empty (pydantic-ai drops a block signed ""), the same whole and streamed (where it
+    comes last, in a signature_delta), and a block sent back with it, or a redacted_thinking
+    block, renders as the history without them would."""
+    script(fast_qwen3, THINK_AND_CALL)
+    client = anthropic_client(fast_qwen3)
+    kwargs = {"model": "qwen3-tiny", "max_tokens": 64, "messages": WEATHER}
+    whole = client.messages.create(**kwargs, tools=ANTHROPIC_TOOLS)
+    signed = whole.content[0]
+    assert signed.type == "thinking" and len(signed.signature) >= 32
+    with client.messages.stream(**kwargs, tools=ANTHROPIC_TOOLS) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.content[0].signature == signed.signature
+    types = named_events(fast_qwen3, "/v1/messages", {**kwargs, "tools": ANTHROPIC_TOOLS})
+    stop = types.index("content_block_stop")
+    assert types[stop - 1] == "content_block_delta"  # the signature_delta
+    reply = [block.model_dump(exclude_none=True) for block in whole.content]
+    result = {"type": "tool_result", "tool_use_id": whole.content[1].id, "content": "sunny"}
+    redacted = {"type": "redacted_thinking", "data": "opaque"}
+    renders = []
+    for assistant in (reply, [redacted, *reply]):
+        messages = [
+            *WEATHER,
+            {"role": "assistant", "content": assistant},
+            {"role": "user", "content": [result]},
+        ]
+        body = {**kwargs, "tools": ANTHROPIC_TOOLS, "messages": messages}
+        response = fast_qwen3.client.post("/v1/messages/render", json=body)
+        assert response.status_code == 200, response.text
+        renders.append(response.json()["token_ids"])
+    assert renders[0] == renders[1]
+
+
 def test_tool_result_renders_as_tool_message(fast_qwen3: FastApp) -> None:
     """A tool_result round trip renders exactly as the chat route renders the same history."""
     history = [
@@ -194,6 +227,8 @@ def test_tool_result_renders_as_tool_message(fast_qwen3: FastApp) -> None:
             {},
             "cannot be in a user message",
         ),
+        # The SDK's tool runner continues a server-kept thread; dropped, the history is lost.
+        (WEATHER, {"thread": {"type": "continue", "previous_message_id": "msg_1"}}, "thread"),
     ],
 )
 def test_malformed_requests_are_400(

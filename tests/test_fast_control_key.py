@@ -19,7 +19,7 @@ from starlette.testclient import TestClient
 from tests.conftest import RL_SERVER_ARGS
 from tests.fake_engine import Gate, Step
 from tests.fast_app import FastApp, serve_fast, sse_chunks
-from tokenwire.api.control_key import CONTROL, ControlRoutes
+from tokenwire.api.control_key import CONTROL, TaggedRoutes
 
 INFERENCE_KEY = "inference-key"
 CONTROL_KEY = "control-key"
@@ -150,7 +150,7 @@ def test_a_route_opts_in_with_the_tag_path_parameters_too() -> None:
     @control_router.post("/start_weight_update")
     async def start() -> None: ...
 
-    control = ControlRoutes([*router.routes, *control_router.routes])
+    control = TaggedRoutes([*router.routes, *control_router.routes])
     assert control.need_key("DELETE", "/v1/sessions/abc")
     assert not control.need_key("GET", "/v1/sessions/abc")
     assert control.need_key("POST", "/start_weight_update")

@@ -142,6 +142,8 @@ def test_history_renders_as_the_chat_route(fast_qwen3: FastApp) -> None:
         ({"input": [{"type": "web_search_call", "id": "x"}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "input"),
         ({"input": WEATHER, "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": WEATHER, "conversation": "conv_1"}, "conversation"),
+        ({"input": WEATHER, "conversation": {"id": "conv_1"}}, "conversation"),
         ({"input": WEATHER, "tools": [{"type": "web_search"}]}, "tools"),
         ({"input": []}, "input"),
         ({"input": WEATHER, "text": {"format": {"type": "json_schema"}}}, "text.format"),

@@ -22,7 +22,7 @@ DEFAULTS = Settings(
     port=8000,
     max_model_len=None,
     chat_template=None,
-    api_key=None,
+    api_key=(),
     trust_request_chat_template=False,
     request_template_workers=2,
     request_template_timeout_s=5.0,
@@ -104,7 +104,7 @@ CHANGED = Settings(
     port=9,
     max_model_len=77,
     chat_template=Path("t.jinja"),
-    api_key="k",
+    api_key=("k",),
     trust_request_chat_template=True,
     request_template_workers=3,
     request_template_timeout_s=1.5,
@@ -201,6 +201,14 @@ def test_unknown_flags_pass_to_vllm() -> None:
         (["--engine-threads", "0"], {}, "--engine-threads must be >= 1"),
         ([], {"TOKENWIRE_PORT": "x"}, "argument --port: invalid int value: 'x'"),
         (["--log-level", "loud"], {}, "argument --log-level: invalid choice: 'loud'"),
+        (["--api-key", "a", "b"], {}, "several --api-key keys need a --control-api-key"),
+        (["--api-key", "a", "--router-api-key", "a"], {}, "--router-api-key must differ"),
+        (["--session-max-bytes", "0"], {}, "--session-max-bytes must be between 1 and"),
+        (
+            ["--session-store-bytes", "10", "--session-max-bytes", "11"],
+            {},
+            "--session-max-bytes must be between 1 and --session-store-bytes",
+        ),
     ],
 )
 def test_bad_values_are_refused(

@@ -61,11 +61,21 @@ class Settings:
     port: int = flag(8000, type=int)
     max_model_len: int | None = flag(None, type=int)
     chat_template: Path | None = flag(None, type=Path)
-    api_key: str | None = flag(None)
+    api_key: tuple[str, ...] = flag(
+        (),
+        many=True,
+        help="keys the inference routes take (Authorization: Bearer KEY or x-api-key: KEY); "
+        "each key owns the sessions it writes",
+    )
     control_api_key: str | None = flag(
         None,
         help="the one key control routes take (weights, pause, sleep, abort-all, /metrics); "
         "unset: --api-key, unsafe behind a router, which holds that key",
+    )
+    router_api_key: str | None = flag(
+        None,
+        help="the key vllm-router holds (its --api-key, sent on the routes it does not know): "
+        "it opens only the stateless routes (render, extend, derender, tokenize, models)",
     )
     trust_request_chat_template: bool = flag(False, switch=True)
     request_template_workers: int = flag(
@@ -217,6 +227,12 @@ class Settings:
     session_store_bytes: int = flag(
         2**30, type=int, help="sessions kept in all; the least recently used go first"
     )
+    session_max_bytes: int | None = flag(
+        None,
+        type=int,
+        help="one session's bound (default: a quarter of --session-store-bytes); a session "
+        "that would grow past it is closed to appends, so it never evicts every other one",
+    )
     session_ttl_s: float = flag(
         7 * 24 * 3600.0, type=float, help="a session unused this long is dropped"
     )
@@ -229,6 +245,10 @@ class Settings:
         if self.served_model_name:
             return self.served_model_name
         return (self.model,)
+
+    @property
+    def session_bytes_each(self) -> int:
+        return self.session_max_bytes or max(1, self.session_store_bytes // 4)
 
     @property
     def session_store_path(self) -> str:
@@ -333,6 +353,15 @@ def settings_from_args(args: argparse.Namespace, engine_args: Sequence[str] = ()
         raise ValueError("--max-num-batched-tokens must be >= 1")
     if values.get("engine_threads") is not None and values["engine_threads"] < 1:
         raise ValueError("--engine-threads must be >= 1")
+    if len(values.get("api_key") or ()) > 1 and not values.get("control_api_key"):
+        raise ValueError("several --api-key keys need a --control-api-key (else each is one)")
+    router_key = values.get("router_api_key")
+    if router_key and router_key in (*(values.get("api_key") or ()), values.get("control_api_key")):
+        raise ValueError("--router-api-key must differ from --api-key and --control-api-key")
+    store_bytes = values.get("session_store_bytes", 1)
+    each = values.get("session_max_bytes")
+    if each is not None and not 1 <= each <= store_bytes:
+        raise ValueError("--session-max-bytes must be between 1 and --session-store-bytes")
     if values.get("max_held_requests", 0) < 0:
         raise ValueError("--max-held-requests must be >= 0")
     return Settings(**values, engine_args=tuple(engine_args))

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 
 from tokenwire import __version__
 from tokenwire.api.asgi import FrontConfig, FrontMiddleware
-from tokenwire.api.control_key import ControlRoutes
+from tokenwire.api.control_key import STATELESS, TaggedRoutes
 from tokenwire.api.direct import direct_routes
 from tokenwire.api.errors import install_error_handlers
 from tokenwire.api.metrics import Metrics
@@ -68,6 +68,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         settings.session_store_path,
         max_bytes=settings.session_store_bytes,
         ttl_s=settings.session_ttl_s,
+        max_session_bytes=settings.session_bytes_each,
     )
     pipeline = Pipeline(
         config=ServingConfig.from_settings(settings),
@@ -129,9 +130,13 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         )
     front = FrontConfig(
         metrics=metrics,
-        api_key=settings.api_key or None,
+        api_keys=settings.api_key,
         control_api_key=settings.control_api_key or None,
-        control_routes=ControlRoutes(route for router in routers for route in router.routes),
+        router_api_key=settings.router_api_key,
+        control_routes=TaggedRoutes(route for router in routers for route in router.routes),
+        stateless_routes=TaggedRoutes(
+            (route for router in routers for route in router.routes), STATELESS
+        ),
         max_bytes=settings.max_request_bytes,
         read_timeout_s=settings.request_read_timeout_s,
         direct=direct_routes(routers),

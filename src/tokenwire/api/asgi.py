@@ -6,9 +6,11 @@ server CPU for a whole short /tokenize those layers were a third of it. Streamin
 pass through untouched. In order, for each HTTP request:
 
 - ``X-Request-Id`` echoed back, or generated when the client sent none;
-- 401 without ``Authorization: Bearer KEY`` (when the server has a key) on every path but
-  /health, compared in constant time, before the body is read; a control route
-  (``api.control_key``) takes the control key only, any other route either key;
+- 401 without a key (when the server has one): ``Authorization: Bearer KEY`` or ``x-api-key:
+  KEY`` (Anthropic's header), on every path but /health and the load routes, compared in
+  constant time, before the body is read; a control route (``api.control_key``) takes the
+  control key only, any other route any key; the key that matched goes in the scope, as the
+  credential that owns the sessions the request writes;
 - the body read whole: 413 over the limit (declared or streamed), 408 if it does not arrive
   within ``read_timeout_s``, 400 for a lone UTF-16 surrogate, escaped (``"\\ud800"``) or
   encoded in UTF-8 (Python's JSON parser accepts both, but no tokenizer, template or
@@ -33,7 +35,13 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenwire.api.control_key import CONTROL_KEY_MISSING, HOLDS_CONTROL_KEY, ControlRoutes
+from tokenwire.api.control_key import (
+    CONTROL_KEY_MISSING,
+    CREDENTIAL,
+    HOLDS_CONTROL_KEY,
+    ROUTER_KEY_REFUSED,
+    TaggedRoutes,
+)
 from tokenwire.api.direct import NO_BODY_METHODS, DirectRoutes
 from tokenwire.api.errors import error_response
 from tokenwire.api.metrics import Metrics
@@ -41,15 +49,18 @@ from tokenwire.api.metrics import Metrics
 logger = logging.getLogger("tokenwire.api")
 
 REQUEST_ID_HEADER = b"x-request-id"
-OPEN_PATHS = frozenset({"/health"})
+# vLLM checks no key on these; vllm-router polls the load routes with no key of the client's.
+OPEN_PATHS = frozenset({"/health", "/get_load", "/load"})
 
 
 @dataclass(frozen=True)
 class FrontConfig:
     metrics: Metrics
-    api_key: str | None
-    control_api_key: str | None  # None: ``api_key`` (the fallback, unsafe behind a router)
-    control_routes: ControlRoutes
+    api_keys: tuple[str, ...]  # any of them opens the inference routes; () for none
+    control_api_key: str | None  # None: the one ``api_keys`` (unsafe behind a router)
+    router_api_key: str | None  # opens the stateless routes only (``api.control_key``)
+    control_routes: TaggedRoutes
+    stateless_routes: TaggedRoutes
     max_bytes: int
     read_timeout_s: float
     direct: DirectRoutes
@@ -59,9 +70,12 @@ class FrontMiddleware:
     def __init__(self, app: ASGIApp, config: FrontConfig) -> None:
         self.app = app
         self.metrics = config.metrics
-        self.inference_key = _bearer(config.api_key)
-        self.control_key = _bearer(config.control_api_key or config.api_key)
+        self.inference_keys = tuple(key.encode() for key in config.api_keys)
+        control = config.control_api_key or (config.api_keys[0] if config.api_keys else None)
+        self.control_key = None if control is None else control.encode()
+        self.router_key = None if config.router_api_key is None else config.router_api_key.encode()
         self.control_routes = config.control_routes
+        self.stateless_routes = config.stateless_routes
         self.max_bytes = config.max_bytes
         self.read_timeout_s = config.read_timeout_s
         self.direct = config.direct
@@ -138,16 +152,23 @@ class FrontMiddleware:
 
     def _authorize(self, scope: Scope, method: str) -> str | None:
         """Why the request is refused (None: it may go on); notes in the scope whether it holds
-        the control key, for routes where the body decides (``require_control_key``)."""
-        given = header(scope, b"authorization") or b""
-        holds_control = self.control_key is None or hmac.compare_digest(given, self.control_key)
+        the control key, for routes where the body decides (``require_control_key``), and the
+        key it sent (``CREDENTIAL``)."""
+        given = _presented(scope)
+        control = self.control_key
+        holds_control = control is None or _is_one_of(given, (control,))
         scope[HOLDS_CONTROL_KEY] = holds_control
+        scope[CREDENTIAL] = given
         path = scope["path"]
         if path in OPEN_PATHS or holds_control:
             return None
         if self.control_routes.need_key(method, path):
             return CONTROL_KEY_MISSING
-        if self.inference_key is not None and not hmac.compare_digest(given, self.inference_key):
+        if self.inference_keys and not _is_one_of(given, self.inference_keys):
+            if self.router_key is not None and _is_one_of(given, (self.router_key,)):
+                if self.stateless_routes.need_key(method, path):
+                    return None
+                return ROUTER_KEY_REFUSED
             return "Missing or invalid API key"
         return None
 
@@ -203,8 +224,25 @@ class FrontMiddleware:
                 return b"".join(chunks)
 
 
-def _bearer(key: str | None) -> bytes | None:
-    return None if key is None else b"Bearer " + key.encode()
+def _presented(scope: Scope) -> bytes | None:
+    """The key a request sends: ``x-api-key: KEY`` (Anthropic's header, the one its API
+    checks; older SDKs and litellm send only this), else ``Authorization: Bearer KEY``."""
+    api_key = header(scope, b"x-api-key")
+    if api_key is not None:
+        return api_key
+    authorization = header(scope, b"authorization")
+    if authorization is not None and authorization.startswith(b"Bearer "):
+        return authorization[7:]
+    return None
+
+
+def _is_one_of(given: bytes | None, keys: tuple[bytes, ...]) -> bool:
+    """Whether ``given`` is one of ``keys``, each compared in constant time (no early exit,
+    so the time says nothing of which key came close)."""
+    found = False
+    for key in keys:
+        found |= given is not None and hmac.compare_digest(given, key)
+    return found
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:

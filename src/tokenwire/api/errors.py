@@ -21,6 +21,7 @@ from tokenwire.pipeline.errors import (
     NotFound,
     NotReady,
     PipelineError,
+    SessionClosed,
     UnknownModel,
     UnknownSession,
 )
@@ -58,6 +59,7 @@ PIPELINE_STATUS: dict[type[PipelineError], int] = {
     UnknownModel: 404,
     NotFound: 404,
     UnknownSession: 404,
+    SessionClosed: 409,
     ClientGone: 499,
     NotReady: 503,
 }

@@ -7,6 +7,8 @@ rule are the chat route's, so a message and the same chat completion give the sa
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,7 +17,15 @@ import orjson
 
 from tokenwire.pipeline.choice import Choice
 from tokenwire.pipeline.context import Pipeline
-from tokenwire.pipeline.dialect import ChatDeltas, arguments_object, chat_body, tool_call_ids
+from tokenwire.pipeline.dialect import (
+    ChatDeltas,
+    arguments_object,
+    chat_body,
+    check_continued_system,
+    continued_calls,
+    tool_call_ids,
+    uncontinued,
+)
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.openai import CompletionRun
 from tokenwire.pipeline.render import render_chat_request
@@ -39,15 +49,23 @@ _TEXT_DELTAS = {"thinking": "thinking_delta", "text": "text_delta"}
 
 
 def chat_request(
-    body: CountTokensRequest, *, request_id: str | None = None
+    body: CountTokensRequest,
+    *,
+    request_id: str | None = None,
+    history: list[dict[str, Any]] | None = None,
 ) -> ChatCompletionRequest:
-    """The chat request with the same prompt and sampling as ``body``."""
+    """The chat request with the same prompt and sampling as ``body``; ``history``: the
+    session's messages a ``thread`` continues (``body.messages`` are the new ones)."""
+    if isinstance(body, MessagesRequest) and body.thread is not None and history is None:
+        raise uncontinued("thread")
     messages: list[dict[str, Any]] = []
-    if body.system:
-        system = body.system
-        text = system if isinstance(system, str) else "\n".join(b.text for b in system)
+    system = body.system
+    text = "\n".join(b.text for b in system) if isinstance(system, list) else system
+    if history is not None:
+        check_continued_system(history, text, "system")
+    elif text:
         messages.append({"role": "system", "content": text})
-    known_calls: set[str] = set()
+    known_calls = continued_calls(history)
     for index, message in enumerate(body.messages):
         where = f"messages.{index}"
         if message.role == "assistant":
@@ -199,7 +217,8 @@ def _header(run: CompletionRun, message_id: str) -> dict[str, Any]:
 def _content_blocks(reply: dict[str, Any]) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
     if reply.get("reasoning_content"):
-        blocks.append({"type": "thinking", "thinking": reply["reasoning_content"], "signature": ""})
+        thinking = reply["reasoning_content"]
+        blocks.append({"type": "thinking", "thinking": thinking, "signature": signature(thinking)})
     if reply.get("content"):
         blocks.append({"type": "text", "text": reply["content"]})
     for call in reply.get("tool_calls") or ():
@@ -262,6 +281,7 @@ class _BlockStream:
     def __init__(self) -> None:
         self.index = -1
         self.open: str | None = None
+        self.thinking: list[str] = []  # the open thinking block's text, for its signature
 
     def text(self, kind: str, text: str) -> list[dict[str, Any]]:
         events = []
@@ -275,6 +295,8 @@ class _BlockStream:
             events.append(
                 {"type": "content_block_start", "index": self.index, "content_block": block}
             )
+        if kind == "thinking":
+            self.thinking.append(text)
         delta = {"type": _TEXT_DELTAS[kind], kind: text}
         events.append({"type": "content_block_delta", "index": self.index, "delta": delta})
         return events
@@ -295,8 +317,21 @@ class _BlockStream:
     def close(self) -> list[dict[str, Any]]:
         if self.open is None:
             return []
+        events = []
+        if self.open == "thinking":  # as Anthropic streams it: the signature last
+            delta = {"type": "signature_delta", "signature": signature("".join(self.thinking))}
+            events.append({"type": "content_block_delta", "index": self.index, "delta": delta})
+            self.thinking = []
         self.open = None
-        return [{"type": "content_block_stop", "index": self.index}]
+        return [*events, {"type": "content_block_stop", "index": self.index}]
+
+
+def signature(thinking: str) -> str:
+    """A thinking block's ``signature``: opaque and never empty (pydantic-ai and others take
+    an empty one for a block to drop, and rewrite the history). Anthropic's signs the text;
+    this one is its hash, and nothing is checked when it comes back."""
+    digest = hashlib.sha256(b"tokenwire thinking\0" + thinking.encode()).digest()
+    return base64.b64encode(digest).decode()
 
 
 async def count_tokens(pipeline: Pipeline, body: CountTokensRequest) -> dict[str, Any]:

@@ -35,6 +35,32 @@ def tool_call_ids(message: dict[str, Any]) -> Iterable[str]:
     return (call["id"] for call in message.get("tool_calls") or () if call.get("id"))
 
 
+def continued_calls(history: list[dict[str, Any]] | None) -> set[str]:
+    """The tool calls a request continuing ``history`` (a session's) may answer."""
+    return {call_id for message in history or () for call_id in tool_call_ids(message)}
+
+
+def check_continued_system(history: list[dict[str, Any]], system: str | None, param: str) -> None:
+    """A request continuing a session's ``history`` sends its system prompt again (harnesses
+    do) or none: a different one cannot extend the recorded ids."""
+    recorded = history[0]["content"] if history and history[0]["role"] == "system" else None
+    if (system or None) != recorded:
+        raise InvalidRequest(
+            f"{param} differs from the continued session's system prompt, which its recorded "
+            "ids hold: send the whole history to change it",
+            param,
+        )
+
+
+def uncontinued(param: str) -> InvalidRequest:
+    """A stateful form where no session is continued (a render, a count)."""
+    return InvalidRequest(
+        f"{param} continues a recorded session: only a turn with its X-Session-ID header takes "
+        "it (tokenwire keeps answers in sessions only); else send the whole history",
+        param,
+    )
+
+
 def arguments_object(arguments: str | dict[str, Any]) -> Any:
     """A parsed call's arguments (a JSON string) as the JSON value both dialects send back."""
     if isinstance(arguments, str):

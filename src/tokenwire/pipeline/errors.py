@@ -31,6 +31,10 @@ class UnknownSession(PipelineError):
     """No session has this id, or it expired (HTTP 404)."""
 
 
+class SessionClosed(PipelineError):
+    """The session is closed to appends (it reached its byte bound; HTTP 409)."""
+
+
 class NotReady(PipelineError):
     """The model is loading or the server is shutting down (HTTP 503)."""
 

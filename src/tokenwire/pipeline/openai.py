@@ -35,7 +35,8 @@ from tokenwire.pipeline.render import (
     completion_request_id,
 )
 from tokenwire.pipeline.response_json import completion_json, usage_json
-from tokenwire.pipeline.sessions import SessionTurn, session_prompt
+from tokenwire.pipeline.session_store import Head
+from tokenwire.pipeline.sessions import SessionKey, SessionTurn, session_prompt
 from tokenwire.pipeline.stream_derender import chat_chunk_choice
 from tokenwire.protocol.generate import StreamOptions
 from tokenwire.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -86,6 +87,10 @@ class CompletionRun:
         self.answer = answer
         self.stream_options = stream_options
         self.created = int(time.time())
+
+    def session_headers(self) -> dict[str, str]:
+        """A whole answer's headers of its session turn: recorded as which, or why not."""
+        return self.session.headers() if self.session is not None else {}
 
     @property
     def is_chat(self) -> bool:
@@ -328,18 +333,19 @@ async def start_chat_completion(
     pipeline: Pipeline,
     body: ChatCompletionRequest,
     *,
-    session_id: str | None = None,
+    session: SessionKey | None = None,
     dialect: str = "chat",
+    continued: Head | None = None,
 ) -> CompletionRun:
-    """The chat request's run; with a ``session_id`` its prompt continues that session (see
+    """The chat request's run; with a ``session`` its prompt continues that session (see
     ``pipeline.sessions``) and the run records its turn there."""
     runtime = pipeline.ready(body.model)
-    session: SessionTurn | None = None
-    if session_id is None:
+    turn: SessionTurn | None = None
+    if session is None:
         prompt = await chat_prompt(pipeline, runtime, body)
     else:
-        prompt, session = await session_prompt(
-            pipeline, runtime, body, pipeline.session_store(), session_id, dialect
+        prompt, turn = await session_prompt(
+            pipeline, runtime, body, pipeline.session_store(), session, dialect, continued
         )
     parsing: Parsing = await chat_parsing(pipeline, runtime, body, prompt.prompt.token_ids)
     job = start_job(
@@ -357,7 +363,7 @@ async def start_chat_completion(
         kind="chat.completion",
         answer=AnswerOptions.of(body, body.num_logprobs),
         stream_options=body.stream_options,
-        session=session,
+        session=turn,
     )
 
 

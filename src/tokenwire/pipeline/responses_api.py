@@ -14,7 +14,14 @@ from typing import Any
 
 from tokenwire.parsers.think import THINK_CLOSE
 from tokenwire.pipeline.context import Pipeline
-from tokenwire.pipeline.dialect import ChatDeltas, chat_body, tool_call_ids
+from tokenwire.pipeline.dialect import (
+    ChatDeltas,
+    chat_body,
+    check_continued_system,
+    continued_calls,
+    tool_call_ids,
+    uncontinued,
+)
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.openai import CompletionRun
 from tokenwire.pipeline.render import render_chat_request
@@ -28,21 +35,31 @@ from tokenwire.protocol.openai_responses import (
     ResponsesRequest,
 )
 
-NO_STORE = (
-    "previous_response_id is not supported: tokenwire stores no responses (store: false); "
-    "send the whole history in input"
+NO_CONVERSATION = (
+    "conversation is not supported: tokenwire keeps no conversations; send the whole history "
+    "in input, or continue a session (X-Session-ID) with previous_response_id"
 )
 
 
-def chat_request(body: ResponsesRequest, *, request_id: str | None = None) -> ChatCompletionRequest:
-    """The chat request with the same prompt and sampling as ``body``."""
-    if body.previous_response_id is not None:
-        raise InvalidRequest(NO_STORE, "previous_response_id")
+def chat_request(
+    body: ResponsesRequest,
+    *,
+    request_id: str | None = None,
+    history: list[dict[str, Any]] | None = None,
+) -> ChatCompletionRequest:
+    """The chat request with the same prompt and sampling as ``body``; ``history``: the
+    session's messages a ``previous_response_id`` continues (``input`` holds the new ones)."""
+    if body.conversation is not None:
+        raise InvalidRequest(NO_CONVERSATION, "conversation")
+    if body.previous_response_id is not None and history is None:
+        raise uncontinued("previous_response_id")
     messages: list[dict[str, Any]] = []
-    if body.instructions:
+    if history is not None:
+        check_continued_system(history, body.instructions, "instructions")
+    elif body.instructions:
         messages.append({"role": "system", "content": body.instructions})
     items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else []
-    messages.extend(_messages(items or body.input))  # type: ignore[arg-type]
+    messages.extend(_messages(items or body.input, continued_calls(history)))  # type: ignore[arg-type]
     if not messages:
         raise InvalidRequest("input must not be empty", "input")
     fields: dict[str, Any] = {
@@ -79,12 +96,12 @@ def chat_request(body: ResponsesRequest, *, request_id: str | None = None) -> Ch
 
 def _messages(
     items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem],
+    known_calls: set[str],
 ) -> list[dict[str, Any]]:
     """Chat messages: reasoning, assistant text and function calls in a row are one assistant
     turn; a function_call_output is a tool message answering an earlier call."""
     messages: list[dict[str, Any]] = []
     turn: dict[str, Any] | None = None  # the assistant turn being gathered
-    known_calls: set[str] = set()
     for index, item in enumerate(items):
         if isinstance(item, ReasoningItem | FunctionCallItem) or (
             isinstance(item, MessageItem) and item.role == "assistant"
@@ -188,7 +205,7 @@ class ResponseRun:
             "model": self.run.pipeline.config.served_name,
             "output": output,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": None,
+            "previous_response_id": body.previous_response_id,
             "reasoning": None,
             "store": False,
             "temperature": body.temperature,

@@ -7,11 +7,15 @@ verbatim, then what the template writes after them. A harness that rewrote its h
 (compaction, truncation, edits, other tools) gets the full render, and the turn starts a new
 segment whose reason says why. Recorded ids are never rewritten: each segment's ids are its last
 turn's prompt + sampled ids, and every earlier turn of the segment is a prefix of them.
+
+A session belongs to the credential that created it (``SessionKey.owner``); the store decides
+where a turn that ran goes (``SessionStore.record``), and a turn it could not record is still
+answered, with ``X-Session-Unrecorded`` saying why.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -23,7 +27,7 @@ from tokenwire.pipeline.dialect import arguments_object
 from tokenwire.pipeline.errors import InvalidRequest, UnknownSession
 from tokenwire.pipeline.extend import extension
 from tokenwire.pipeline.render import ChatPrompt, chat_prompt, chat_request_id, chat_request_prompt
-from tokenwire.pipeline.session_store import Head, SessionStore, Turn
+from tokenwire.pipeline.session_store import Head, NewTurn, Owner, Recorded, SessionStore
 from tokenwire.protocol.extend import ExtendRequest
 from tokenwire.protocol.openai import ChatCompletionRequest
 
@@ -31,15 +35,32 @@ MAX_SESSION_ID_CHARS = 256
 
 
 def session_id_of(value: str | None) -> str | None:
-    """The ``X-Session-ID`` header's session, checked; None without the header."""
+    """The ``X-Session-ID`` header's session, checked; None without the header. The id is a
+    path segment of ``/v1/sessions/{id}``: printable ASCII without ``/``, so every id a turn
+    records can be read and deleted."""
     if value is None:
         return None
-    if not value or len(value) > MAX_SESSION_ID_CHARS or not value.isprintable():
+    if (
+        not value
+        or len(value) > MAX_SESSION_ID_CHARS
+        or not value.isascii()
+        or not value.isprintable()
+        or "/" in value
+    ):
         raise InvalidRequest(
-            f"X-Session-ID must be 1 to {MAX_SESSION_ID_CHARS} printable characters",
+            f"X-Session-ID must be 1 to {MAX_SESSION_ID_CHARS} printable ASCII characters "
+            "without '/'",
             "X-Session-ID",
         )
     return value
+
+
+@dataclass(frozen=True, slots=True)
+class SessionKey:
+    """A request's session: the ``X-Session-ID`` and who sends it."""
+
+    id: str
+    owner: Owner
 
 
 @dataclass(slots=True)
@@ -47,43 +68,47 @@ class SessionTurn:
     """One request's turn of a session: how its prompt was built, recorded once it ran."""
 
     store: SessionStore
-    session_id: str
+    key: SessionKey
     dialect: str
     head: Head | None
     segment: int
     reason: str | None
     messages: list[dict[str, Any]]
     context: str
+    reply_id: str  # the answer's id (what a stateful form names to continue from it)
+    recorded: Recorded | None = field(default=None)
 
     async def record(self, choice: Choice, reply: dict[str, Any]) -> None:
-        """Append the turn (the choice's prompt, ids, logprobs) and make it the session's head;
-        ``reply`` is the chat message the client got (its ``reasoning`` copy left out)."""
+        """Hand the turn (the choice's prompt, ids, logprobs) to the store; ``reply`` is the
+        chat message the client got (its ``reasoning`` copy left out)."""
         reply = {key: value for key, value in reply.items() if key != "reasoning"}
-        turns = self.head.turns if self.head is not None else 0
-        latest = await self.store.head(self.session_id)
-        segment, reason = self.segment, self.reason
-        if (latest.turns if latest is not None else 0) != turns:
-            # Another request of this session was recorded while this one ran: this turn does
-            # not extend that one, so it stands in a segment of its own.
-            assert latest is not None
-            turns, segment = latest.turns, latest.segment + 1
-            reason = "another request of this session was recorded while this one ran"
-        token_ids = [*choice.prompt_ids, *choice.token_ids]
-        # A turn that extends the head stores only what its prompt adds (a long episode would
-        # otherwise store its context once per turn); the trajectory puts the prefix back.
-        prompt: dict[str, list[int]] = {"prompt_ids": choice.prompt_ids}
-        if self.head is not None and reason is None:
-            prompt = {"prompt_tail": choice.prompt_ids[len(self.head.token_ids) :]}
         data = {
             "dialect": self.dialect,
-            **prompt,
             "sampled_ids": choice.token_ids,
             "logprobs": [entry.logprob for entry in choice.logprobs or ()],
             "finish_reason": choice.finish_reason,
             "weight_versions": choice.weight_versions.spans,
         }
-        head = Head(turns + 1, segment, token_ids, [*self.messages, reply], self.context)
-        await self.store.append(self.session_id, Turn(segment, reason, data), head)
+        turn = NewTurn(
+            self.head,
+            self.segment,
+            self.reason,
+            choice.prompt_ids,
+            choice.token_ids,
+            data,
+            [*self.messages, reply],
+            self.context,
+            self.reply_id,
+        )
+        self.recorded = await self.store.record(self.key.id, self.key.owner, turn)
+
+    def headers(self) -> dict[str, str]:
+        """What a whole answer's headers say of its turn (a stream's went out before it ran)."""
+        if self.recorded is None:
+            return {}
+        if self.recorded.turn is not None:
+            return {"X-Session-Turn": str(self.recorded.turn)}
+        return {"X-Session-Unrecorded": self.recorded.unrecorded or "not recorded"}
 
 
 async def session_prompt(
@@ -91,15 +116,22 @@ async def session_prompt(
     runtime: ModelRuntime,
     body: ChatCompletionRequest,
     store: SessionStore,
-    session_id: str,
+    key: SessionKey,
     dialect: str,
+    continued: Head | None = None,
 ) -> tuple[ChatPrompt, SessionTurn]:
     """The prompt of a session's next turn: extended from the session's head where the request
-    continues it, else the full render (a new segment, with the reason)."""
+    continues it, else the full render (a new segment, with the reason). ``continued``: the
+    head a stateful form named (``continued_head``); the request's messages are the new ones."""
     if body.n != 1:
         raise InvalidRequest("a session turn samples one choice: n must be 1", "n")
-    head = await store.head(session_id)
+    head = continued or await store.head(key.id, key.owner)
     messages = [message.model_dump(exclude_unset=True) for message in body.messages]
+    if continued is not None:
+        messages = [*continued.messages, *messages]
+        body = ChatCompletionRequest.model_validate(
+            {**body.model_dump(exclude_unset=True), "messages": messages}
+        )
     context = _context(body)
     reason = _rewritten(head, messages, context) if head is not None else None
     if chat_media_refs(body.messages) and head is not None and reason is None:
@@ -129,8 +161,33 @@ async def session_prompt(
     if prompt is None:
         prompt = await chat_prompt(pipeline, runtime, body, record=True)
     segment = 0 if head is None else head.segment + (reason is not None)
-    turn = SessionTurn(store, session_id, dialect, head, segment, reason, messages, context)
+    turn = SessionTurn(
+        store, key, dialect, head, segment, reason, messages, context, prompt.request_id
+    )
     return prompt, turn
+
+
+async def continued_head(
+    store: SessionStore, key: SessionKey | None, param: str, reply_id: str
+) -> Head:
+    """The head a stateful form (``param``: Anthropic's ``thread``, Responses'
+    ``previous_response_id``) continues: the session's, whose last answer must be
+    ``reply_id``. Only a session's last answer is kept, so only it can be continued."""
+    if key is None:
+        raise InvalidRequest(
+            f"{param} continues a recorded session: send its X-Session-ID header (tokenwire "
+            "keeps answers in sessions only), or the whole history",
+            param,
+        )
+    head = await store.head(key.id, key.owner)
+    if head is None or head.reply_id != reply_id:
+        last = f"its last answer is {head.reply_id!r}" if head else "it has no turn yet"
+        raise InvalidRequest(
+            f"{param}: {reply_id!r} is not the last answer of session {key.id!r} ({last}); "
+            "only a session's last answer can be continued: send the whole history",
+            param,
+        )
+    return head
 
 
 def _context(body: ChatCompletionRequest) -> str:
@@ -182,12 +239,13 @@ def _key(message: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     return key
 
 
-async def trajectory(store: SessionStore, session_id: str) -> dict[str, Any]:
+async def trajectory(store: SessionStore, session_id: str, owner: Owner) -> dict[str, Any]:
     """``GET /v1/sessions/{id}``: the turns, and each segment's whole ids with its loss mask
     (1 exactly where a turn's sampled ids sit)."""
-    turns = await store.turns(session_id)
-    if turns is None:
+    stored = await store.stored(session_id, owner)
+    if stored is None:
         raise UnknownSession(f"session {session_id!r} does not exist", "session_id")
+    turns = stored.turns
     segments: dict[int, dict[str, Any]] = {}
     turn_json = []
     previous: list[int] = []  # the last turn's prompt + sampled ids
@@ -213,4 +271,9 @@ async def trajectory(store: SessionStore, session_id: str) -> dict[str, Any]:
         mask.extend([0] * (len(prompt) - len(mask)))
         mask.extend([1] * len(sampled))
         segment["token_ids"] = previous
-    return {"id": session_id, "turns": turn_json, "segments": list(segments.values())}
+    return {
+        "id": session_id,
+        "closed": stored.closed,
+        "turns": turn_json,
+        "segments": list(segments.values()),
+    }

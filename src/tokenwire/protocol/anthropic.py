@@ -101,6 +101,11 @@ class CountTokensRequest(RequestModel):
     thinking: ThinkingConfig | None = None
 
 
+class Thread(RequestModel):
+    type: Literal["continue"]
+    previous_message_id: str = Field(min_length=1)
+
+
 class MessagesRequest(CountTokensRequest):
     max_tokens: NonNegativeInt64 = Field(ge=1)
     stop_sequences: list[str] | None = None
@@ -109,6 +114,9 @@ class MessagesRequest(CountTokensRequest):
     top_p: TopP | None = None
     top_k: TopK | None = None
     metadata: dict[str, Any] | None = None
+    # Continue from an earlier answer, sending only the new messages: honoured on a session's
+    # last answer (``pipeline.sessions.continued_head``), else a 400 that names it.
+    thread: Thread | None = None
 
 
 # -- answers (for the OpenAPI document; the pipeline builds them as dicts) -------------------

@@ -106,6 +106,7 @@ class ResponsesRequest(RequestModel):
     # ``input``, and a ``previous_response_id`` is refused.
     store: bool | None = None
     previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     # OpenAI's: up to 16 string pairs (echoed in the answer).
     metadata: (

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from tokenwire.api.admission import admitted
+from tokenwire.api.control_key import STATELESS
 from tokenwire.api.disconnect import unless_disconnected
 from tokenwire.api.openapi import MEDIA_ERRORS, streamed
 from tokenwire.api.responses import OrjsonResponse
@@ -13,6 +14,7 @@ from tokenwire.api.sse import sse_response
 from tokenwire.api.state import pipeline_of, session_header
 from tokenwire.pipeline import anthropic
 from tokenwire.pipeline.openai import start_chat_completion
+from tokenwire.pipeline.sessions import continued_head
 from tokenwire.protocol.anthropic import (
     AnthropicMessageResponse,
     AnthropicStreamEvent,
@@ -32,23 +34,35 @@ router = APIRouter(tags=["anthropic"])
 )
 async def messages(body: MessagesRequest, request: Request) -> Response:
     pipeline = pipeline_of(request)
-    chat = anthropic.chat_request(body, request_id=anthropic.new_message_id())
+    session = session_header(request)
+    continued = None
+    if body.thread is not None:
+        reply_id = body.thread.previous_message_id
+        continued = await continued_head(pipeline.session_store(), session, "thread", reply_id)
+    history = continued.messages if continued is not None else None
+    chat = anthropic.chat_request(body, request_id=anthropic.new_message_id(), history=history)
     await admitted(request, pipeline)
     run = await start_chat_completion(
-        pipeline, chat, session_id=session_header(request), dialect="anthropic"
+        pipeline, chat, session=session, dialect="anthropic", continued=continued
     )
     if body.stream:
         return sse_response(anthropic.message_events(run), named=True)
-    return OrjsonResponse(await unless_disconnected(request, anthropic.message(run)))
+    message = await unless_disconnected(request, anthropic.message(run))
+    return OrjsonResponse(message, headers=run.session_headers())
 
 
 @router.post(
-    "/v1/messages/count_tokens", response_model=CountTokensResponse, responses=MEDIA_ERRORS
+    "/v1/messages/count_tokens",
+    response_model=CountTokensResponse,
+    responses=MEDIA_ERRORS,
+    tags=[STATELESS],
 )
 async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
     return OrjsonResponse(await anthropic.count_tokens(pipeline_of(request), body))
 
 
-@router.post("/v1/messages/render", response_model=GenerateRequest, responses=MEDIA_ERRORS)
+@router.post(
+    "/v1/messages/render", response_model=GenerateRequest, responses=MEDIA_ERRORS, tags=[STATELESS]
+)
 async def render_messages(body: MessagesRequest, request: Request) -> Response:
     return OrjsonResponse(await anthropic.render_messages(pipeline_of(request), body))

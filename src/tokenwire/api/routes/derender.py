@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from tokenwire.api.control_key import STATELESS
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import pipeline_of
 from tokenwire.pipeline import derender as derendering
@@ -20,7 +21,7 @@ from tokenwire.protocol.responses import (
     CompletionResponse,
 )
 
-router = APIRouter(tags=["derender"])
+router = APIRouter(tags=["derender", STATELESS])
 
 
 @router.post(

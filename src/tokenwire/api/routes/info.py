@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import PlainTextResponse, Response
 
 from tokenwire import __version__
-from tokenwire.api.control_key import CONTROL
+from tokenwire.api.control_key import CONTROL, STATELESS
 from tokenwire.api.errors import error_response
 from tokenwire.api.metrics import Metrics
 from tokenwire.api.responses import OrjsonResponse
@@ -20,7 +20,7 @@ router = APIRouter(tags=["info"])
 _STARTED = int(time.time())
 
 
-@router.get("/v1/models", response_model=ModelList)
+@router.get("/v1/models", response_model=ModelList, tags=[STATELESS])
 async def list_models(request: Request) -> Response:
     return OrjsonResponse({"object": "list", "data": models(pipeline_of(request), _STARTED)})
 
@@ -37,7 +37,7 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/version", response_model=VersionResponse)
+@router.get("/version", response_model=VersionResponse, tags=[STATELESS])
 async def version() -> Response:
     return OrjsonResponse({"version": __version__})
 

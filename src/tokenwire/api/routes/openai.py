@@ -32,7 +32,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     pipeline = pipeline_of(request)
     apply_logprob_limit(pipeline, body)
     await admitted(request, pipeline)
-    run = await start_chat_completion(pipeline, body, session_id=session_header(request))
+    run = await start_chat_completion(pipeline, body, session=session_header(request))
     return await _respond(run, request, stream=body.stream)
 
 
@@ -50,4 +50,5 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def _respond(run: CompletionRun, request: Request, *, stream: bool) -> Response:
     if stream:
         return sse_response(run.chunks())
-    return OrjsonResponse(await unless_disconnected(request, run.response()))
+    body = await unless_disconnected(request, run.response())
+    return OrjsonResponse(body, headers=run.session_headers())

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from tokenwire.api.control_key import STATELESS
 from tokenwire.api.openapi import MEDIA_ERRORS
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import pipeline_of
@@ -12,7 +13,7 @@ from tokenwire.pipeline import render as rendering
 from tokenwire.protocol.generate import GenerateRequest
 from tokenwire.protocol.openai import ChatCompletionRequest, CompletionRequest
 
-router = APIRouter(tags=["render"])
+router = APIRouter(tags=["render", STATELESS])
 
 
 @router.post("/v1/chat/completions/render", response_model=GenerateRequest, responses=MEDIA_ERRORS)

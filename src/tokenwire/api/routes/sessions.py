@@ -1,4 +1,8 @@
-"""Recorded sessions: GET /v1/sessions, GET and DELETE /v1/sessions/{session_id}."""
+"""Recorded sessions: GET /v1/sessions, GET and DELETE /v1/sessions/{session_id}.
+
+A session is its owner's (the credential that created it) and the control key's: to any other
+key it does not exist (404), and the list holds only the caller's own sessions.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +12,8 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 from starlette.responses import Response
 
-from tokenwire.api.control_key import CONTROL
 from tokenwire.api.responses import OrjsonResponse
-from tokenwire.api.state import pipeline_of
+from tokenwire.api.state import owner_of, pipeline_of
 from tokenwire.pipeline.errors import UnknownSession
 from tokenwire.pipeline.sessions import trajectory
 
@@ -23,6 +26,7 @@ class SessionInfo(BaseModel):
     bytes: int
     created: float
     updated: float
+    closed: str | None  # why it takes no more turns (its byte bound); None while it does
 
 
 class SessionList(BaseModel):
@@ -32,6 +36,7 @@ class SessionList(BaseModel):
 
 class Trajectory(BaseModel):
     id: str
+    closed: str | None
     # Each turn: turn, segment, dialect, prompt_ids, sampled_ids, logprobs, finish_reason,
     # weight_versions.
     turns: list[dict[str, Any]]
@@ -49,20 +54,18 @@ _NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "Unknown ses
 
 @router.get("/v1/sessions", response_model=SessionList)
 async def list_sessions(request: Request) -> Response:
-    sessions = await pipeline_of(request).session_store().sessions()
+    sessions = await pipeline_of(request).session_store().sessions(owner_of(request))
     return OrjsonResponse({"object": "list", "data": sessions})
 
 
 @router.get("/v1/sessions/{session_id}", response_model=Trajectory, responses=_NOT_FOUND)
 async def get_session(session_id: str, request: Request) -> Response:
-    return OrjsonResponse(await trajectory(pipeline_of(request).session_store(), session_id))
+    store = pipeline_of(request).session_store()
+    return OrjsonResponse(await trajectory(store, session_id, owner_of(request)))
 
 
-# Deleting a trajectory loses training data: the control key only (``api.control_key``).
-@router.delete(
-    "/v1/sessions/{session_id}", response_model=Deleted, responses=_NOT_FOUND, tags=[CONTROL]
-)
+@router.delete("/v1/sessions/{session_id}", response_model=Deleted, responses=_NOT_FOUND)
 async def delete_session(session_id: str, request: Request) -> Response:
-    if not await pipeline_of(request).session_store().delete(session_id):
+    if not await pipeline_of(request).session_store().delete(session_id, owner_of(request)):
         raise UnknownSession(f"session {session_id!r} does not exist", "session_id")
     return OrjsonResponse({"id": session_id, "deleted": True})

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from tokenwire.api.admission import admitted
-from tokenwire.api.control_key import require_control_key
+from tokenwire.api.control_key import STATELESS, require_control_key
 from tokenwire.api.disconnect import unless_disconnected
 from tokenwire.api.openapi import streamed
 from tokenwire.api.responses import OrjsonResponse
@@ -74,7 +74,7 @@ async def abort_request(body: AbortRequestBody, request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/model_info", response_model=ModelInfo)
+@router.get("/model_info", response_model=ModelInfo, tags=[STATELESS])
 async def model_info(request: Request) -> Response:
     return OrjsonResponse(info.model_info(pipeline_of(request)))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from tokenwire.api.control_key import STATELESS
 from tokenwire.api.openapi import MEDIA_ERRORS
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import pipeline_of
@@ -16,7 +17,7 @@ from tokenwire.protocol.tokenize import (
     TokenizeResponse,
 )
 
-router = APIRouter(tags=["tokenize"])
+router = APIRouter(tags=["tokenize", STATELESS])
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=MEDIA_ERRORS)
