@@ -1,11 +1,13 @@
-"""Innocent streams under a prefill flood: does a long prompt starve running decodes?
+"""Innocent streams and new requests under a prefill flood: does a long prompt starve them?
 
 In one run, on the hf engine in process (SmolLM2-135M), two phases of the same length:
-- solo: 8 streams decode (greedy, ignore_eos) and nothing else runs;
-- flood: the same 8 streams while 6 clients each send 1000-token prompts with ``max_tokens: 1``,
-  one after another (fresh random ids each time, so the prefix cache never helps).
-Reports each phase's stream tokens/s, p50/p99 inter-token latency and the flood/solo ratio
-(issue 22's target: at least 0.5x), plus the prompts the flood got prefilled.
+- solo: 8 streams decode (greedy, ignore_eos) and a probe client sends a new short chat prompt
+  (``max_tokens: 1``, a fresh question each time) every half second after the last answer;
+- flood: the same, while 6 clients each send 1000-token prompts with ``max_tokens: 1``, one after
+  another (fresh random ids each time, so the prefix cache never helps).
+Reports each phase's stream tokens/s, p50/p99 inter-token latency, the probes' time to first
+token (p50/p90) and the prompts the flood got prefilled, then the flood/solo ratios: stream
+tokens/s (issue 22's target: at least 0.5x) and probe TTFT (issue 34's: at most 5x).
 
 Usage: ``python bench/bench_prefill_flood.py [--seconds 20] [--max-num-batched-tokens N]``.
 Run it with another tree's ``src`` on PYTHONPATH to measure that tree (the flag needs this one).
@@ -31,6 +33,7 @@ from tokenwire.engine.hf import HFEngine
 STREAMS = 8
 FLOODERS = 6
 FLOOD_PROMPT = 1000
+PROBE_GAP_S = 0.5
 
 
 def pct(values: list[float], q: float) -> float:
@@ -41,11 +44,19 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def phase(
-    engine: HFEngine, prompts: list[list[int]], seconds: float, flood: bool, tag: str
+    engine: HFEngine,
+    prompts: list[list[int]],
+    probes: list[list[int]],
+    seconds: float,
+    flood: bool,
+    tag: str,
 ) -> dict[str, Any]:
-    """Stream for ``seconds`` (after every stream's first token), with or without the flood."""
+    """Stream and probe for ``seconds`` (after every stream's first token), with or without the
+    flood. A probe still waiting at the end is waited for (its TTFT counts)."""
     stream = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
+    one = SamplingParams(max_tokens=1, temperature=0)
     arrivals: list[list[float]] = [[] for _ in prompts]
+    ttfts: list[float] = []
     started = asyncio.Event()
     stop = asyncio.Event()
     prefilled = 0
@@ -59,10 +70,18 @@ async def phase(
             if stop.is_set():
                 return  # closing the stream aborts it
 
+    async def prober() -> None:
+        for k in itertools.count():
+            sent = time.perf_counter()
+            async for _ in engine.generate(f"{tag}-p{k}", probes[k % len(probes)], one):
+                ttfts.append(time.perf_counter() - sent)
+            if stop.is_set():
+                return
+            await asyncio.sleep(PROBE_GAP_S)
+
     async def flooder(j: int) -> None:
         nonlocal prefilled
         rng = random.Random(j)
-        one = SamplingParams(max_tokens=1, temperature=0)
         k = 0
         while not stop.is_set():
             ids = [rng.randrange(10, 49000) for _ in range(FLOOD_PROMPT)]
@@ -74,6 +93,7 @@ async def phase(
     tasks = [asyncio.create_task(innocent(i)) for i in range(len(prompts))]
     await started.wait()
     begin = time.perf_counter()
+    tasks.append(asyncio.create_task(prober()))
     if flood:
         tasks += [asyncio.create_task(flooder(j)) for j in range(FLOODERS)]
     await asyncio.sleep(seconds)
@@ -87,6 +107,9 @@ async def phase(
         "tok_s": tokens / (end - begin) / len(prompts),
         "p50": pct(gaps, 50) * 1000,
         "p99": pct(gaps, 99) * 1000,
+        "ttft50": pct(ttfts, 50),
+        "ttft90": pct(ttfts, 90),
+        "probes": len(ttfts),
         "prefilled": prefilled,
     }
 
@@ -99,27 +122,43 @@ async def main(args: argparse.Namespace) -> None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     engine = HFEngine(model_dir, max_num_seqs=64, device="cpu", **kwargs)
     await engine.start()
-    prompts = []
-    for i in range(STREAMS):
+
+    def chat(content: str) -> list[int]:
         ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"Tell me a long story about island number {i}."}],
-            add_generation_prompt=True,
+            [{"role": "user", "content": content}], add_generation_prompt=True
         )
-        prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
-    print(f"torch threads {torch.get_num_threads()}, {args.seconds:.0f} s per phase")
-    print("| round | phase | stream tok/s | p50 ITL ms | p99 ITL ms | flood prompts |")
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
-    ratios = []
+        return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+    prompts = [chat(f"Tell me a long story about island number {i}.") for i in range(STREAMS)]
+    probes = [chat(f"What is {k} plus {k + 7}? Answer with the number.") for k in range(500)]
+    print(
+        f"torch threads {torch.get_num_threads()}, {args.seconds:.0f} s per phase, "
+        f"probe prompts {len(probes[0])} tokens"
+    )
+    print(
+        "| round | phase | stream tok/s | p50 ITL ms | p99 ITL ms | probe TTFT p50 s "
+        "| probe TTFT p90 s | probes | flood prompts |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    rates, ttft50, ttft90 = [], [], []
     for r in range(args.rounds):
-        solo = await phase(engine, prompts, args.seconds, False, f"r{r}solo")
-        flood = await phase(engine, prompts, args.seconds, True, f"r{r}flood")
+        solo = await phase(engine, prompts, probes, args.seconds, False, f"r{r}solo")
+        flood = await phase(engine, prompts, probes, args.seconds, True, f"r{r}flood")
         for name, res in (("solo", solo), ("flood", flood)):
             print(
                 f"| {r} | {name} | {res['tok_s']:.2f} | {res['p50']:.0f} | {res['p99']:.0f} "
+                f"| {res['ttft50']:.2f} | {res['ttft90']:.2f} | {res['probes']} "
                 f"| {res['prefilled']} |"
             )
-        ratios.append(flood["tok_s"] / solo["tok_s"])
-    print(f"flood/solo stream tokens/s: {', '.join(f'{x:.2f}x' for x in ratios)} (target >= 0.5x)")
+        rates.append(flood["tok_s"] / solo["tok_s"])
+        ttft50.append(flood["ttft50"] / solo["ttft50"])
+        ttft90.append(flood["ttft90"] / solo["ttft90"])
+
+    def listed(xs: list[float]) -> str:
+        return ", ".join(f"{x:.2f}x" for x in xs)
+
+    print(f"flood/solo stream tokens/s: {listed(rates)} (target >= 0.5x)")
+    print(f"flood/solo probe TTFT p50: {listed(ttft50)}, p90: {listed(ttft90)} (target <= 5x)")
     await engine.shutdown()
 
 

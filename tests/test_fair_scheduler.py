@@ -137,16 +137,32 @@ def test_a_prefill_flood_never_leaves_running_rows_undecoded() -> None:
         run(eng.shutdown())
 
 
-def test_new_weights_restart_a_chunked_prefill_under_way() -> None:
-    """KV of the old weights must not serve a prompt: a prefill part-way through its chunks when
-    new weights arrive starts over, and samples what an uninterrupted prefill samples."""
-    model_dir = Path(prepare("qwen3-tiny"))
+@pytest.fixture(scope="module")
+def tiny_runner() -> ModelRunner:
     runner = ModelRunner(
-        model_dir, vision=None, vocab_size=0, max_num_seqs=4, device="cpu", dtype=None, threads=1
+        Path(prepare("qwen3-tiny")),
+        vision=None,
+        vocab_size=0,
+        max_num_seqs=4,
+        device="cpu",
+        dtype=None,
+        threads=1,
     )
     runner.load()
-    weights = {k: v.clone() for k, v in runner.model.state_dict().items()}
-    scheduler = Scheduler(
+    return runner
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()  # never run: outputs and replies queue up unread
+    yield loop
+    loop.close()
+
+
+def scripted(runner: ModelRunner) -> Scheduler:
+    """A scheduler stepped by the test (``step``), not by its thread: steps in a fixed order."""
+    runner.reset_cache()  # rows an earlier test left running
+    return Scheduler(
         runner,
         queue.SimpleQueue(),
         max_num_seqs=4,
@@ -154,33 +170,130 @@ def test_new_weights_restart_a_chunked_prefill_under_way() -> None:
         prefix_cache_bytes=0,
         max_num_batched_tokens=64,
     )
-    loop = asyncio.new_event_loop()  # never run: outputs and replies queue up unread
-    prompt = [(5 * t) % 3000 + 10 for t in range(200)]
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+def step(scheduler: Scheduler) -> None:
+    """One step as ``Scheduler.run`` takes it, minus the clock: with nothing owed to the decode
+    steps, a prefill whenever a request waits."""
+    with torch.inference_mode():
+        group = scheduler._prefill_turn() if scheduler.waiting else []
+        if group:
+            scheduler._prefill_step(group, [])
+        else:
+            scheduler._decode_step([])
+
+
+def admit(
+    scheduler: Scheduler,
+    loop: asyncio.AbstractEventLoop,
+    rid: str,
+    length: int,
+    max_tokens: int,
+    offset: int = 0,
+) -> Request:
+    """Queue a greedy request as the engine thread does when it arrives."""
+    prompt = [(5 * t + offset) % 3000 + 10 for t in range(length)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    req = Request(rid, prompt, params, Sink(loop, asyncio.Queue()))
+    scheduler._admit(req, [])
+    return req
+
+
+def test_a_short_prompt_goes_before_long_prefills_queued_ahead_of_it(
+    tiny_runner: ModelRunner, loop: asyncio.AbstractEventLoop
+) -> None:
+    """Three 200-token prompts (4 chunks each) wait; a 20-token one arrives after the first
+    chunk and gets its first token on the next step, before any long prompt has one. The long
+    ones then prefill one at a time (one chunk cache), in arrival order."""
+    scheduler = scripted(tiny_runner)
+    longs = [admit(scheduler, loop, f"long-{i}", 200, 1, offset=i) for i in range(3)]
+    step(scheduler)
+    assert longs[0].progress is not None and longs[0].progress.done == 64
+    short = admit(scheduler, loop, "short", 20, 4)
+    step(scheduler)
+    assert short.output and not any(r.output for r in longs)
+    first_token: dict[str, int] = {}
+    for n in range(40):
+        assert sum(r.progress is not None for r in scheduler.waiting) <= 1
+        for req in [*longs, short]:
+            if req.output and req.request_id not in first_token:
+                first_token[req.request_id] = n
+        if not (scheduler.waiting or scheduler.running):
+            break
+        step(scheduler)
+    assert short.finish == "length" and len(short.output) == 4
+    assert all(r.finish == "length" for r in longs)
+    order = sorted(first_token, key=first_token.__getitem__)
+    assert order == ["short", "long-0", "long-1", "long-2"]
+
+
+def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones(
+    tiny_runner: ModelRunner, loop: asyncio.AbstractEventLoop
+) -> None:
+    """Shortest first ages: a new 20-token prompt every step passes a waiting 256-token one only
+    while it would finish its prefill sooner (arrival + length on the prefill clock), so the long
+    one goes after about 256 / 20 of them, and keeps going until it is done."""
+    scheduler = scripted(tiny_runner)
+    long = admit(scheduler, loop, "long", 256, 1)
+    passed = 0
+    for n in range(40):
+        admit(scheduler, loop, f"short-{n}", 20, 1)
+        step(scheduler)
+        if long.output:
+            break
+        if long.progress is None:
+            passed += 1
+    assert long.finish == "length"
+    assert passed == 256 // 20  # shorts admitted at clock c rank c + 20 < 256
+    assert n == passed + 256 // 64 - 1  # then its four chunks, no short in between
+
+
+def test_a_short_prompt_cuts_in_once_while_a_chunk_is_repaid(
+    tiny_runner: ModelRunner, loop: asyncio.AbstractEventLoop
+) -> None:
+    """While a row runs and the decode steps still owe a long chunk's time, the next chunk waits
+    but a prefill of one forward goes after one decode step, once; the next one waits for the
+    repayment, as does the chunk."""
+    scheduler = scripted(tiny_runner)
+    admit(scheduler, loop, "stream", 20, 100)
+    step(scheduler)
+    long = admit(scheduler, loop, "long", 200, 1)
+    step(scheduler)  # a first chunk
+    assert scheduler.running and long.progress is not None
+    scheduler._decode_owed = 1.0  # as if that chunk took a second and one decode step ran
+    assert scheduler._prefill_turn() == []
+    first = admit(scheduler, loop, "short-0", 20, 1)
+    assert scheduler._prefill_turn() == [first]
+    second = admit(scheduler, loop, "short-1", 20, 1)
+    assert scheduler._prefill_turn() == []  # one cut-in per repayment
+    scheduler._decode_owed = 0.0
+    assert scheduler._prefill_turn() == [second]
+
+
+def test_new_weights_restart_a_chunked_prefill_under_way(
+    tiny_runner: ModelRunner, loop: asyncio.AbstractEventLoop
+) -> None:
+    """KV of the old weights must not serve a prompt: a prefill part-way through its chunks when
+    new weights arrive starts over, and samples what an uninterrupted prefill samples."""
+    runner = tiny_runner
+    weights = {k: v.clone() for k, v in runner.model.state_dict().items()}
+    scheduler = scripted(runner)
 
     def generate(rid: str, swap_after: int | None) -> list[int]:
-        req = Request(rid, prompt, params, Sink(loop, asyncio.Queue()))
-        scheduler.waiting.append(req)
-        with torch.inference_mode():
-            for step in range(50):
-                if step == swap_after:
-                    assert req.progress is not None and req.progress.done == 2 * 64
-                    swap = NewWeights(
-                        lambda: runner.swap_weights(weights),
-                        "v2",
-                        Reply(loop, loop.create_future()),
-                    )
-                    scheduler._control(swap, [])
-                    assert req.progress is None
-                if scheduler.waiting:
-                    scheduler._prefill_step([])
-                elif scheduler.running:
-                    scheduler._decode_step([])
-                else:
-                    return req.output
+        req = admit(scheduler, loop, rid, 200, 4)
+        for n in range(50):
+            if n == swap_after:
+                assert req.progress is not None and req.progress.done == 2 * 64
+                swap = NewWeights(
+                    lambda: runner.swap_weights(weights),
+                    "v2",
+                    Reply(loop, loop.create_future()),
+                )
+                scheduler._control(swap, [])
+                assert req.progress is None
+            if not (scheduler.waiting or scheduler.running):
+                return req.output
+            step(scheduler)
         raise AssertionError("the request did not finish")
 
-    try:
-        assert generate("straight", None) == generate("restarted", 2)
-    finally:
-        loop.close()
+    assert generate("straight", None) == generate("restarted", 2)

@@ -35,8 +35,8 @@ class Sink:
 
 @dataclass(slots=True)
 class PrefillProgress:
-    """A context prefilled one chunk per step, between chunks: the request waits at the head
-    of the queue with its own cache of the first ``done`` context tokens."""
+    """A context prefilled one chunk per step, between chunks: the request waits in the queue
+    with its own cache of the first ``done`` context tokens."""
 
     cache: Any  # a DynamicCache, one row, no padding
     done: int
@@ -77,6 +77,8 @@ class Request:
     adapter_slot: int = 0
     # A prompt longer than one prefill forward, part-way through (see ``PrefillProgress``).
     progress: PrefillProgress | None = None
+    # The scheduler's prefill clock when it arrived: where it ranks among waiting prefills.
+    admitted_at: int = 0
 
     @property
     def context(self) -> list[int]:

@@ -1,13 +1,27 @@
 """The engine thread's step loop: which requests wait, prefill, decode, finish or abort.
 
-A step is either a prefill of waiting requests (FIFO, within free slots and a padded-token budget,
-``max_num_batched_tokens``; their rows then join the running cache) or one decode step for every
-running row. A context longer than the budget is prefilled alone in chunks of the budget, one
-chunk per step, and waits at the head of the queue in between (``PrefillProgress``); its chunk
-boundaries depend on its own context only, so a seeded request's logits do not depend on what
-else runs. Decodes are never starved: while rows are running, at most one prefill forward runs
-between two decode steps, and only once the decode steps since the last prefill took at least as
-long as it did (prefill gets at most about half of the engine's time while streams decode).
+A step is either a prefill of waiting requests (a group within free slots and a padded-token
+budget, ``max_num_batched_tokens``; their rows then join the running cache) or one decode step for
+every running row. A context longer than the budget is prefilled alone in chunks of the budget,
+one chunk per step, and waits in the queue in between (``PrefillProgress``); its chunk boundaries
+depend on its own context only, so a seeded request's logits do not depend on what else runs.
+
+Whose prefill runs next (``_rank``): the waiting request that would finish its prefill soonest
+had it had the engine's prefill to itself since it arrived, i.e. the prefill clock (context tokens
+prefilled so far) when it arrived plus the context tokens it has left (the prefix cache's and its
+chunks' already done are not counted). So a short new prompt goes before long ones queued ahead
+of it (shortest remaining first), and a long one is passed over only by newer requests shorter
+than what it has left, which ages it (no starvation). One context at a time holds a chunk cache:
+while one is part-way, only prefills that take one forward may go before it. Ties keep arrival
+order, the part-way context first. Rows a pause sent back to recompute were running: they go
+first.
+
+Decodes are never starved: while rows are running, at most one prefill forward runs between two
+decode steps, and only once the decode steps since the last prefill took at least as long as it
+did (prefill gets at most about half of the engine's time while streams decode). One exception
+lets a new short prompt in without waiting for a long chunk's share to be repaid: a prefill of a
+single forward may cut in after one decode step, once per repayment, its time added to what the
+decode steps owe, so the share holds.
 Rows that finish or are aborted leave the cache right after the step that ends them;
 ``running[i]`` is always cache row ``i``. A failed prefill fails only its group; a failed decode
 fails the batch and starts from an empty cache.
@@ -102,7 +116,6 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.running: list[Request] = []  # index == cache row
         self.waiting: deque[Request] = deque()
-        self._prefilling: list[Request] = []  # popped from waiting, not yet running
         self.prefix = PrefixCache(prefix_cache_bytes)
         self.stopping = False
         self.paused = False
@@ -120,12 +133,14 @@ class Scheduler:
         self.kv_cache_bytes = 0
         self.prefix_stats: dict[str, int] = {}
         # Fairness: prefill forwards, the most that ran while rows waited for a decode step
-        # (the scheduler keeps it at 1), and the time each side took since the other ran.
+        # (the scheduler keeps it at 1), the decode time owed before the next prefill, whether
+        # a short prefill cut in since the last regular one, and the prefill clock (``_rank``).
         self.prefill_steps = 0
         self.max_prefills_between_decodes = 0
         self._prefills_since_decode = 0
-        self._prefill_seconds = 0.0
-        self._decode_seconds = 0.0
+        self._decode_owed = 0.0
+        self._cut_in = False
+        self._prefill_clock = 0
 
     def run(self) -> None:
         """Step until a ``Stop`` arrives, then end every stream, late arrivals included."""
@@ -143,18 +158,21 @@ class Scheduler:
                 elif self.paused:
                     pass
                 elif (
-                    self.waiting and len(self.running) < self.max_num_seqs and self._prefill_turn()
+                    self.waiting
+                    and len(self.running) < self.max_num_seqs
+                    and (group := self._prefill_turn())
                 ):
                     self._memory_to_release = True
                     self._count_prefill()
                     began = time.perf_counter()
                     try:
-                        self._prefill_step(emits)
+                        self._prefill_step(group, emits)
                     except Exception as exc:  # only the group fails; the running cache is intact
                         logger.exception("hf engine: prefill failed; failing its requests")
-                        self._fail(self._prefilling, exc, emits)
-                    self._prefill_seconds = time.perf_counter() - began
-                    self._decode_seconds = 0.0
+                        self._fail(group, exc, emits)
+                    # A regular prefill owes its own time; a cut-in adds its time to what is owed.
+                    owed = self._decode_owed if self._cut_in else 0.0
+                    self._decode_owed = owed + time.perf_counter() - began
                 elif self.running:
                     self._prefills_since_decode = 0
                     began = time.perf_counter()
@@ -165,19 +183,30 @@ class Scheduler:
                         self._fail(self.running, exc, emits)
                         self.running = []
                         self.runner.reset_cache()
-                    self._decode_seconds += time.perf_counter() - began
-                self._prefilling = []
+                    self._decode_owed -= time.perf_counter() - began
                 self._finish_drain()
                 self._publish()
                 deliver(emits)
         self._refuse_late_requests()
 
-    def _prefill_turn(self) -> bool:
-        """Whether a prefill may run now: always when no row is running; else only right after
-        a decode step, once the decode steps since the last prefill took as long as it did."""
-        if not self.running:
-            return True
-        return self._prefills_since_decode == 0 and self._decode_seconds >= self._prefill_seconds
+    def _prefill_turn(self) -> list[Request]:
+        """The group to prefill now, taken off the queue, or [] when the running rows decode.
+
+        Always a group when no row is running; else only right after a decode step, once the
+        decode steps since the last prefill took as long as it did (owe nothing), or once per
+        such repayment for a group of one forward (a short prompt cutting in).
+        """
+        if self.running and self._prefills_since_decode:
+            return []
+        regular = not self.running or self._decode_owed <= 0
+        if not regular and self._cut_in:
+            return []
+        group = self._next_group()
+        if not regular and self._chunked(group[0]):
+            return []
+        self._cut_in = not regular
+        self._take(group)
+        return group
 
     def _count_prefill(self) -> None:
         self.prefill_steps += 1
@@ -189,7 +218,7 @@ class Scheduler:
 
     def _restart_prefills(self) -> None:
         """Forget chunked prefills under way (new weights, or a pause freeing KV): they start
-        over, and only the head of the queue may ever hold one."""
+        over."""
         for req in self.waiting:
             req.progress = None
 
@@ -237,6 +266,7 @@ class Scheduler:
             req.adapter_slot = live.slot
             # KV under another adapter version must never answer this one's lookups.
             req.salt = hashlib.blake2b(req.salt + live.salt, digest_size=16).digest()
+        req.admitted_at = self._prefill_clock
         self.waiting.append(req)
 
     def _load_adapter(self, cmd: LoadAdapter) -> None:
@@ -374,20 +404,49 @@ class Scheduler:
         self.kv_cache_bytes = cache.nbytes if cache is not None else 0
         self.prefix_stats = self.prefix.stats()
 
+    def _rank(self, req: Request) -> tuple[bool, int]:
+        """A waiting request's place, lowest first (see the module docstring)."""
+        return (not req.recompute, req.admitted_at + self._to_prefill(req))
+
+    def _to_prefill(self, req: Request) -> int:
+        """The context tokens its prefill has left to compute."""
+        if req.progress is not None:
+            return len(req.context) - req.progress.done
+        return len(req.context) - self._cached_blocks(req) * BLOCK_TOKENS
+
+    def _cached_blocks(self, req: Request) -> int:
+        """How many leading blocks of its context the prefix cache gives its next prefill
+        (always leaving one token to prefill: its logits sample the first output token)."""
+        return self.prefix.match(self._usable_keys(req)) if self._reads_cache(req) else 0
+
+    @staticmethod
+    def _reads_cache(req: Request) -> bool:
+        """Seeded and prompt-scoring requests compute their prompt from scratch: cached KV was
+        computed in another batch shape, and a seed promises the same ids whatever ran before."""
+        return not (req.wants_prompt_logprobs or req.seeded)
+
+    def _usable_keys(self, req: Request) -> list[bytes]:
+        return self._context_keys(req)[: (len(req.context) - 1) // BLOCK_TOKENS]
+
     def _next_group(self) -> list[Request]:
-        """FIFO requests for one prefill forward, within free slots and the token budget.
+        """The requests of the next prefill forward, in ``_rank`` order, within free slots and
+        the token budget; they stay queued until ``_take``.
 
         Sets each one's ``num_cached``. A request waits for a later group when a request of this
         one will store its next uncached block (see the module docstring). A context longer than
-        the budget goes alone (chunked), as does the head of the queue part-way through one.
+        the budget goes alone (chunked), as does one part-way through its chunks; while one is,
+        no other starts chunks.
         """
-        if self.waiting[0].progress is not None:
-            return [self.waiting.popleft()]
+        part_way = any(r.progress is not None for r in self.waiting)
         free = self.max_num_seqs - len(self.running)
         group: list[Request] = []
         coming: set[bytes] = set()  # blocks this group's prompts will store
         longest = 0
-        for req in self.waiting:
+        for req in sorted(self.waiting, key=self._rank):
+            if req.progress is not None:  # its chunk cache is its own: it goes alone
+                if not group:
+                    group.append(req)
+                break
             if group and (req.wants_prompt_logprobs or group[0].wants_prompt_logprobs):
                 break  # full-logit prefills run alone: their logits are [P, V]
             if group and (req.seeded or group[0].seeded):
@@ -396,29 +455,31 @@ class Scheduler:
                 break
             if len(group) >= free:
                 break
-            keys = self._context_keys(req)
-            # Leave one token to prefill (its logits sample the first output token).
-            usable = keys[: (len(req.context) - 1) // BLOCK_TOKENS]
-            # Seeded requests compute their prompt from scratch: cached KV was computed in
-            # another batch shape, and a seed promises the same ids whatever ran before.
-            reads_cache = not (req.wants_prompt_logprobs or req.seeded)
-            hit = self.prefix.match(usable) if reads_cache else 0
-            if reads_cache and hit < len(usable) and usable[hit] in coming:
+            usable = self._usable_keys(req)
+            hit = self._cached_blocks(req)
+            if hit < len(usable) and usable[hit] in coming:
                 continue
-            new_longest = max(longest, len(req.context) - hit * BLOCK_TOKENS)
+            req.num_cached = hit * BLOCK_TOKENS
+            chunked = self._chunked(req)
+            if chunked and part_way:
+                continue
+            new_longest = max(longest, len(req.context) - req.num_cached)
             if group and new_longest * (len(group) + 1) > self.max_num_batched_tokens:
                 break
-            if keys and reads_cache:
-                self.prefix.record(hit)
-            req.num_cached = hit * BLOCK_TOKENS
-            coming.update(keys)
+            coming.update(self._context_keys(req))
             group.append(req)
             longest = new_longest
-            if req.media is not None or self._chunked(req):
+            if req.media is not None or chunked:
                 break
+        return group
+
+    def _take(self, group: list[Request]) -> None:
+        """Take a group off the queue to prefill it (and count its prefix-cache lookups)."""
+        for req in group:
+            if req.progress is None and self._reads_cache(req) and self._context_keys(req):
+                self.prefix.record(req.num_cached // BLOCK_TOKENS)
         chosen = {id(r) for r in group}
         self.waiting = deque(r for r in self.waiting if id(r) not in chosen)
-        return group
 
     def _context_keys(self, req: Request) -> list[bytes]:
         """The prefix-cache keys of the next prefill's context ([]: it bypasses the cache)."""
@@ -445,8 +506,8 @@ class Scheduler:
             return None
         return self.prefix.fetch(self._context_keys(req)[: req.num_cached // BLOCK_TOKENS])
 
-    def _prefill_step(self, emits: Emits) -> None:
-        group = self._prefilling = self._next_group()
+    def _prefill_step(self, group: list[Request], emits: Emits) -> None:
+        """Prefill a group ``_take`` took off the queue (or a chunk of its one context)."""
         head = group[0]
         if self._chunked(head):
             if head.progress is None:
@@ -456,12 +517,14 @@ class Scheduler:
             end = min(len(head.context), start + self.max_num_batched_tokens)
             prefilled = self.runner.prefill_chunk(head, past, end)
             del past
+            self._prefill_clock += end - start
         else:
             pasts = [self._cached_past(r) for r in group]
             prefilled = self.runner.prefill(group, pasts)
             del pasts
+            self._prefill_clock += sum(len(r.context) - r.num_cached for r in group)
         self.steps += 1
-        if prefilled is None:  # more chunks to come: it keeps its place at the head
+        if prefilled is None:  # more chunks to come: back in the queue (first among its ties)
             self.waiting.appendleft(head)
             return
         for i, req in enumerate(group):
