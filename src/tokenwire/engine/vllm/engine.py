@@ -472,11 +472,12 @@ class VLLMEngine:
 
 
 def _death_reason(llm: Any) -> str:
-    """Which of vLLM's processes ended, and how, when its client knows (else vLLM's words)."""
+    """Which of vLLM's processes ended, and how; else its engine core reported a fatal error
+    (a worker died under it, say: its log says which) or its output handler failed."""
     manager = getattr(llm.engine_core.resources, "engine_manager", None)
     finished = getattr(manager, "finished_procs", dict)()
     if finished:
         return "; ".join(
             f"vLLM's {name} exited with code {code}" for name, code in finished.items()
         )
-    return "vLLM's engine core is dead"
+    return "vLLM's engine core failed; its log says why"
