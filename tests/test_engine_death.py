@@ -6,6 +6,7 @@ it. Real servers over HTTP on 127.0.0.1, one each: the hf one dies by fault inje
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -21,6 +22,8 @@ import pytest
 
 from tests.conftest import Server, engine_flags
 from tests.dying_server import FAULT
+from tests.fake_engine import Gate, Step
+from tests.fast_app import serve_fast, sse_chunks
 
 # The acceptance's "within seconds", generously: the server itself takes about 2 s.
 EXIT_BOUND_S = 20
@@ -84,6 +87,42 @@ def check_engine_death(server: Server, kill: Callable[[], None], reason: str) ->
         reply += chunk
     assert reply.startswith(b"HTTP/1.1 503")
     assert "Internal Server Error" not in server.log_path.read_text()
+
+
+def test_a_dead_engine_is_a_503_everywhere_over_the_fake_engine(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The pipeline's and the api's part, model-free (make test-fast): a fresh app over the
+    fake engine, which dies while a stream waits in it."""
+    serving = serve_fast(tmp_path_factory, [])
+    app = next(serving)
+    try:
+        assert "tokenwire_engine_dead 0.0" in app.client.get("/metrics").text
+        gate = Gate()
+        app.engine.script = lambda request_id, prompt, sampling: [5, Step(6, gate=gate)]
+        body = generate_body([1, 2, 3], stream=True)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            reading = pool.submit(sse_chunks, app.client, "/inference/v1/generate", body)
+            gate.wait_reached()
+            app.engine.die("injected")
+            chunks = reading.result(timeout=10)
+        assert chunks[0]["choices"][0]["token_ids"] == [5]
+        assert chunks[-1]["error"]["code"] == 503
+        message = chunks[-1]["error"]["message"]
+        assert message == "The engine died (injected); this server is exiting"
+        for path, payload in [
+            ("/inference/v1/generate", generate_body([1, 2])),
+            ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+            ("/tokenize", {"prompt": "hi"}),
+        ]:
+            response = app.client.post(path, json=payload)
+            assert response.status_code == 503, (path, response.text)
+            assert response.json()["error"]["message"] == message
+        health = app.client.get("/health")
+        assert health.status_code == 503 and health.json()["error"]["message"] == message
+        assert "tokenwire_engine_dead 1.0" in app.client.get("/metrics").text
+    finally:
+        serving.close()
 
 
 @pytest.mark.model  # its own server, with the model
