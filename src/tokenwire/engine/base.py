@@ -152,7 +152,6 @@ class EngineDead(Exception):
 
     def __init__(self, reason: str) -> None:
         super().__init__(f"The engine died ({reason}); this server is exiting")
-        self.reason = reason
 
 
 def check_running(ready: bool, death: str | None) -> None:
