@@ -16,16 +16,20 @@ from tokenwire.engine.hf.scheduler import Scheduler
 
 FAULT = "injected fault"
 
-_control = Scheduler._control
 
+def serve_with_fault() -> int:
+    """``tokenwire`` with the fault in place: only in this process, never in a test's own (the
+    in-process engines there pause for real)."""
+    control = Scheduler._control
 
-def _control_or_fail(self: Scheduler, cmd: Command, emits: Emits) -> None:
-    if isinstance(cmd, Pause) and cmd.mode == "wait":
-        raise RuntimeError(FAULT)
-    _control(self, cmd, emits)
+    def control_or_fail(self: Scheduler, cmd: Command, emits: Emits) -> None:
+        if isinstance(cmd, Pause) and cmd.mode == "wait":
+            raise RuntimeError(FAULT)
+        control(self, cmd, emits)
 
+    Scheduler._control = control_or_fail  # type: ignore[method-assign]
+    return main()
 
-Scheduler._control = _control_or_fail  # type: ignore[method-assign]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(serve_with_fault())
