@@ -64,6 +64,7 @@ SESSION_ENGINE: dict[str, Any] = {"kind": "hf", "vllm_args": []}
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "hf_only: tests of the hf engine's own internals")
+    config.addinivalue_line("markers", "vllm_only: tests of vLLM's engine (make test-vllm)")
     config.addinivalue_line("markers", "model: runs or builds a real model (not in make test-fast)")
     config.addinivalue_line("markers", "bench: a benchmark's smoke run (not in make test-fast)")
     config.addinivalue_line(
@@ -77,11 +78,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.model)
-    if config.getoption("engine") == "hf":
-        return
-    skip = pytest.mark.skip(reason="tests the hf engine's internals")
+    other = "vllm_only" if config.getoption("engine") == "hf" else "hf_only"
+    skip = pytest.mark.skip(reason=f"{other}: not this session's engine")
     for item in items:
-        if "hf_only" in item.keywords:
+        if other in item.keywords:
             item.add_marker(skip)
 
 
@@ -165,12 +165,19 @@ def free_port() -> int:
 class Server:
     """A ``tokenwire serve`` subprocess; its log goes to a file shown when start-up fails."""
 
-    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        api_key: str | None = None,
+        module: str = "tokenwire.cli",
+    ) -> None:
+        """``module``: what runs as ``python -m`` (a test's wrapper of ``tokenwire.cli``)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = log_path
-        command = [sys.executable, "-m", "tokenwire.cli", "serve", "--port", str(self.port), *args]
+        command = [sys.executable, "-m", module, "serve", "--port", str(self.port), *args]
         if api_key:
             command += ["--api-key", api_key]
         if "--session-store" not in args:

@@ -42,6 +42,7 @@ from tokenwire.engine.base import (
     DEFAULT_WEIGHT_VERSION,
     AdapterTensors,
     AdapterVersion,
+    EngineDead,
     EngineError,
     EngineFeature,
     EngineOutput,
@@ -211,6 +212,7 @@ class FakeEngine:
         self.adapters: dict[int, AdapterVersion] = {}  # held adapter versions by id
         self.adapter_sources: dict[int, AdapterTensors] = {}  # what each loaded from
         self._started = False
+        self._death: str | None = None
         self._paused = False
         self._draining = False  # a "wait" pause waiting for the requests in flight
 
@@ -233,7 +235,10 @@ class FakeEngine:
         self._started = True
 
     def is_ready(self) -> bool:
-        return self._started
+        return self._started and self._death is None
+
+    def death(self) -> str | None:
+        return self._death
 
     async def shutdown(self) -> None:
         for call in self.live.values():
@@ -257,7 +262,7 @@ class FakeEngine:
         prompt = list(prompt_token_ids)
         # No prompt checks: validation above the engine refuses what does not fit, and the
         # bad-input tests see that the engine never got it (``calls``).
-        check_new_request(self.is_ready(), request_id, self.live)
+        check_new_request(self.is_ready(), self._death, request_id, self.live)
         if adapter is not None and adapter.id not in self.adapters:
             raise RuntimeError(f"fake engine: {adapter} is not held")  # a registry bug
         reply = self.script(request_id, prompt, sampling)
@@ -273,6 +278,8 @@ class FakeEngine:
                     _step(s) for s in (scripted if isinstance(scripted, Sequence) else [scripted])
                 ]
                 await self._hold(call, [s.gate for s in steps if s.gate is not None])
+                if self._death is not None:  # as the real engines fail what is in flight
+                    raise EngineDead(self._death)
                 if call.aborted:
                     break
                 output = self._output(call, steps)
@@ -416,6 +423,11 @@ class FakeEngine:
     def paused(self) -> bool:
         return self._paused
 
+    def die(self, reason: str) -> None:
+        """The engine dies, as the hf engine's thread or vLLM's engine core can: requests in
+        flight fail with ``EngineDead`` at their next output, and so does every call after."""
+        self._death = reason
+
     def reset(self) -> None:
         """Back to a fresh engine's state (the previous test's requests have ended)."""
         self.script = cycle_prompt
@@ -434,7 +446,11 @@ class FakeEngine:
         """Wait while paused or a gate is shut; an abort ends the wait."""
         for gate in gates:
             gate.arrive()
-        while not call.aborted and (self._paused or not all(g.is_open for g in gates)):
+        while (
+            not call.aborted
+            and self._death is None
+            and (self._paused or not all(g.is_open for g in gates))
+        ):
             await asyncio.sleep(_POLL_S)
 
     def _output(self, call: EngineCall, steps: list[Step]) -> EngineOutput:

@@ -29,8 +29,9 @@ PROTOCOLS: tuple[type, ...] = (GenerationEngine, WeightEngine, AdapterEngine)
 OWN_MEMBERS: dict[type, frozenset[str]] = {
     HFEngine: frozenset(),
     VLLMEngine: frozenset(),
-    # The fake's test helpers: sizing it like a model, its pause state, a fresh state per test.
-    FakeEngine: frozenset({"for_model", "paused", "reset"}),
+    # The fake's test helpers: sizing it like a model, its pause state, a fresh state per test,
+    # fault injection.
+    FakeEngine: frozenset({"for_model", "paused", "reset", "die"}),
 }
 ENGINES = tuple(OWN_MEMBERS)
 

@@ -60,8 +60,9 @@ def _serve(settings) -> int:
     )
     app = create_app(settings)
     config = uvicorn_config(app, settings)
-    GracefulServer(config, app.state.pipeline, settings.shutdown_timeout_s).run()
-    return 0
+    server = GracefulServer(config, app.state.pipeline, settings.shutdown_timeout_s)
+    server.run()
+    return server.exit_code  # 1 once the engine died: a supervisor restarts the server
 
 
 if __name__ == "__main__":

@@ -76,6 +76,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         allowed_lora_roots=tuple(Path(os.path.realpath(p)) for p in settings.allowed_lora_paths),
     )
     metrics = Metrics()
+    metrics.watch_death(lambda: pipeline.engine_death is not None)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -23,12 +23,12 @@ slower, never broken.
 
 Bodies over ``OFFLOAD_BYTES`` are parsed and validated in a worker thread: a derender body of
 tens of MB takes a second of parsing and validation that would otherwise stall the event loop
-(and every other request, /health included) for as long.
+(and every other request, /health included) for as long. The thread is one a shutdown does not
+wait for (``abandonable``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
 import typing
@@ -45,6 +45,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Match
 from starlette.types import Receive, Scope, Send
 
+from tokenwire.abandonable import run_abandonable
 from tokenwire.api.errors import exception_response
 
 logger = logging.getLogger("tokenwire.api")
@@ -84,7 +85,7 @@ class DirectRoute:
             if body is None or not _json_content(scope):
                 return False
             if len(body) > OFFLOAD_BYTES:
-                parsed = await asyncio.to_thread(self._parse, body)
+                parsed = await run_abandonable(lambda: self._parse(body))
             else:
                 parsed = self._parse(body)
             if parsed is None:

@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from tokenwire.api.responses import OrjsonResponse
+from tokenwire.engine.base import EngineDead
 from tokenwire.media.errors import MediaError
 from tokenwire.pipeline.errors import (
     ClientGone,
@@ -70,6 +71,8 @@ def expected_error(exc: BaseException) -> tuple[int, str, str | None] | None:
     None for a bug (a 500)."""
     if isinstance(exc, PipelineError):
         return PIPELINE_STATUS.get(type(exc), 400), exc.message, exc.param
+    if isinstance(exc, EngineDead):  # a server fault: another replica can serve the request
+        return 503, str(exc), None
     if isinstance(exc, MediaError):
         # Refusals (SSRF rules, limits, bad images or features) are 400; a remote 4xx is 422.
         return exc.status, exc.message, exc.param
@@ -148,6 +151,13 @@ def install_error_handlers(app: FastAPI) -> None:
             raise exc
         return response
 
-    kinds = (APIError, PipelineError, MediaError, RequestValidationError, StarletteHTTPException)
+    kinds = (
+        APIError,
+        PipelineError,
+        MediaError,
+        EngineDead,
+        RequestValidationError,
+        StarletteHTTPException,
+    )
     for kind in kinds:
         app.add_exception_handler(kind, handle)

@@ -60,8 +60,24 @@ class Metrics:
     def watch_engine(self, stats: Callable[[], EngineStats | None]) -> None:
         self.registry.register(_EngineCollector(stats))
 
+    def watch_death(self, dead: Callable[[], bool]) -> None:
+        """``tokenwire_engine_dead``: 1 once the engine died (the server is exiting), else 0."""
+        self.registry.register(_DeathCollector(dead))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _DeathCollector(Collector):
+    def __init__(self, dead: Callable[[], bool]) -> None:
+        self.dead = dead
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        yield GaugeMetricFamily(
+            "tokenwire_engine_dead",
+            "1 once the engine died (its thread or process); the server then exits non-zero.",
+            int(self.dead()),
+        )
 
 
 class _EngineCollector(Collector):

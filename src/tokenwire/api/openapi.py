@@ -34,7 +34,8 @@ _ERROR_DESCRIPTIONS = {
     "413": "Request body larger than --max-request-bytes",
     "422": "A media URL in the request answered with a client error (4xx), or the file is missing",
     "500": "Internal server error (a bug)",
-    "503": "Model still loading, server shutting down, or (RL control) paused or sleeping",
+    "503": "Model still loading, the engine died (the server is exiting), server shutting "
+    "down, or (RL control) paused or sleeping",
 }
 # Answered without the model, so never a 503.
 _MODEL_FREE_PATHS = frozenset({"/version", "/metrics"})

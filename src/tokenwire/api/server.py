@@ -6,6 +6,10 @@ engine finish up to ``--shutdown-timeout``, then the rest are aborted: they end 
 ``finish_reason: "abort"`` and their tokens so far (streams with a final chunk and ``[DONE]``).
 What is still waiting then (a body that never arrives) is answered 503 too, and the process
 exits 0, a few seconds after the timeout at most. A second signal stops it at once.
+
+When the engine dies (the hf engine's thread, vLLM's engine core or a worker), the requests in
+it fail with a 503 saying so, every new one gets the same, /health answers 503, and the process
+exits 1 a few seconds later, as vLLM's server does: a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ _ABORT_GRACE_S = 5.0
 # Once the engine is done, how long answers already on their way get before the rest is 503.
 _SETTLE_S = 1.0
 _POLL_S = 0.05
+# How often the server looks whether the engine died (vLLM's watchdog looks every 5 s).
+_DEATH_POLL_S = 0.5
 
 
 class GracefulServer(uvicorn.Server):
@@ -46,10 +52,15 @@ class GracefulServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
         self._drain_task: asyncio.Task[None] | None = None
+        self.exit_code = 0  # 1 once the engine died
 
     async def serve(self, sockets: list | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        watch = self._loop.create_task(self._watch_engine())
+        try:
+            await super().serve(sockets)
+        finally:
+            watch.cancel()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """A signal handler: only schedule the drain (the loop may be mid-step)."""
@@ -66,6 +77,20 @@ class GracefulServer(uvicorn.Server):
         self.pipeline.shut_down()  # requests not yet in the engine: 503
         self._drain_task = asyncio.get_running_loop().create_task(self._drain())
 
+    async def _watch_engine(self) -> None:
+        """Exit 1 once the engine died. Its requests failed with it (503); answers on their way
+        get a moment, what waits outside the engine is answered 503, then the server stops."""
+        while (death := self.pipeline.engine_death) is None:
+            await asyncio.sleep(_DEATH_POLL_S)
+        self.exit_code = 1
+        logger.error("the engine died (%s): answering what is in flight, then exiting 1", death)
+        if self._draining:  # a signal's drain is under way and ends the server
+            return
+        self._draining = True
+        self.pipeline.shut_down()  # requests held by SGLang's pause look again: 503
+        await self._settle_requests()
+        self.should_exit = True
+
     async def _drain(self) -> None:
         jobs = self.pipeline.jobs
         await _wait_until_empty(jobs, self.shutdown_timeout_s)
@@ -73,6 +98,11 @@ class GracefulServer(uvicorn.Server):
             logger.warning("shutdown deadline reached: aborting %d request(s)", len(jobs))
             await jobs.abort(jobs.ids())
             await _wait_until_empty(jobs, _ABORT_GRACE_S)
+        await self._settle_requests()
+        self.should_exit = True
+
+    async def _settle_requests(self) -> None:
+        """Let the answers on their way go out, then cancel what is left (each answered 503)."""
         requests = [task for task in self.server_state.tasks if not task.done()]
         if requests:
             # The answers of jobs that just ended are on their way; what is left after that
@@ -84,7 +114,6 @@ class GracefulServer(uvicorn.Server):
                 task.cancel()
             if pending:
                 await asyncio.wait(pending, timeout=_ABORT_GRACE_S)
-        self.should_exit = True
 
 
 async def _wait_until_empty(jobs: JobRegistry, timeout_s: float) -> None:

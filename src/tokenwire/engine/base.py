@@ -146,17 +146,30 @@ class EngineError(Exception):
     """A request the engine cannot serve (e.g. too long); mapped to a 400 by the api layer."""
 
 
-def check_running(ready: bool) -> None:
-    """``EngineError`` unless the engine is up (``is_ready``): what it refuses before start,
-    after shutdown, or once it failed."""
+class EngineDead(Exception):
+    """The engine stopped for good: its thread or process died. A server fault (503), never a
+    client's: every request in flight and after it fails with it, and the server exits."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"The engine died ({reason}); this server is exiting")
+
+
+def check_running(ready: bool, death: str | None) -> None:
+    """``EngineDead`` once the engine died (``death``); else ``EngineError`` unless it is up
+    (``is_ready``): what it refuses before start or after shutdown."""
+    if death is not None:
+        raise EngineDead(death)
     if not ready:
         raise EngineError("the engine is not running")
 
 
-def check_new_request(ready: bool, request_id: str, in_flight: Container[str]) -> None:
-    """What every engine's ``generate`` refuses before its own checks (``EngineError``): an
-    engine that is not up, and a request id already in flight (its outputs would mix)."""
-    check_running(ready)
+def check_new_request(
+    ready: bool, death: str | None, request_id: str, in_flight: Container[str]
+) -> None:
+    """What every engine's ``generate`` refuses before its own checks: a dead engine
+    (``EngineDead``), one that is not up, and a request id already in flight (its outputs would
+    mix; both ``EngineError``)."""
+    check_running(ready, death)
     if request_id in in_flight:
         raise EngineError(f"request id {request_id!r} is already running")
 
@@ -251,6 +264,11 @@ class GenerationEngine(Protocol):
     def stats(self) -> EngineStats: ...
 
     def is_ready(self) -> bool: ...
+
+    def death(self) -> str | None:
+        """Why the engine died (its thread or process ended while it served), None while it
+        has not. Set once and never cleared: the one record of it, which every check reads."""
+        ...
 
     async def shutdown(self) -> None: ...
 

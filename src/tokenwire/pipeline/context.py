@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenwire.engine.base import Engine, LogprobsMode
+from tokenwire.engine.base import Engine, EngineDead, LogprobsMode
 from tokenwire.media.service import MediaService
 from tokenwire.parsers import ReasoningParser, ToolParser, get_reasoning_parser, get_tool_parser
 from tokenwire.pipeline.control import ControlPlane
@@ -136,6 +136,12 @@ class Pipeline:
     def shutting_down(self) -> bool:
         return self.control.gate.draining
 
+    @property
+    def engine_death(self) -> str | None:
+        """Why the engine died (None: it has not, or it is not loaded); the engine's own
+        record, read here for every route, /health, /metrics and the server's exit."""
+        return None if self.runtime is None else self.runtime.engine.death()
+
     def shut_down(self) -> None:
         """Refuse every request not yet in the engine (503), from now on and those that wait
         out SGLang's pause now; requests in the engine go on."""
@@ -143,7 +149,11 @@ class Pipeline:
 
     def ready(self, model: str | None = None) -> ModelRuntime:
         """The loaded model for a request naming ``model`` (missing or empty: the served one;
-        a LoRA adapter's name: the model it adapts)."""
+        a LoRA adapter's name: the model it adapts). ``EngineDead`` (a 503) once the engine
+        died: the server is going down, nothing it answers now would outlive it."""
+        death = self.engine_death
+        if death is not None:
+            raise EngineDead(death)
         if self.runtime is None or self.shutting_down:
             raise NotReady(
                 "The server is shutting down" if self.shutting_down else "The model is loading"

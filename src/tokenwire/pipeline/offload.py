@@ -1,16 +1,18 @@
 """Keep CPU-heavy text work off the event loop when it is big enough to matter.
 
 A thread hop costs tens of microseconds, more than tokenising a short prompt, so small inputs
-stay inline and only large ones go to a worker thread.
+stay inline and only large ones go to a worker thread, one that a shutdown does not wait for
+(``abandonable``): a huge body's tokenisation cannot hold the server's exit.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
+
+from tokenwire.abandonable import run_abandonable
 
 T = TypeVar("T")
 
@@ -20,7 +22,7 @@ INLINE_CHARS = 16_384
 async def run_text_work(size: int, work: Callable[[], T]) -> T:
     if size <= INLINE_CHARS:
         return work()
-    return await asyncio.to_thread(work)
+    return await run_abandonable(work)
 
 
 def text_size(value: Any, limit: int = INLINE_CHARS) -> int:

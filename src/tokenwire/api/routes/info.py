@@ -13,6 +13,7 @@ from tokenwire.api.errors import error_response
 from tokenwire.api.metrics import Metrics
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import pipeline_of
+from tokenwire.engine.base import EngineDead
 from tokenwire.pipeline.control.info import models
 from tokenwire.protocol.responses import ModelList, VersionResponse
 
@@ -30,6 +31,9 @@ async def list_models(request: Request) -> Response:
 )
 async def health(request: Request) -> Response:
     pipeline = pipeline_of(request)
+    death = pipeline.engine_death
+    if death is not None:
+        return error_response(503, str(EngineDead(death)))
     if pipeline.shutting_down:
         return error_response(503, "The server is shutting down")
     if pipeline.runtime is None:

@@ -8,6 +8,7 @@ queue (see ``handoff``), coalesced when the consumer is slower than the steps.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -20,6 +21,7 @@ import torch
 from tokenwire.engine.base import (
     AdapterTensors,
     AdapterVersion,
+    EngineDead,
     EngineError,
     EngineFeature,
     EngineOutput,
@@ -181,7 +183,12 @@ class HFEngine:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
-        self._live: dict[str, Sink] = {}  # owned by the event loop
+        # Set once, by the engine thread, when its step loop fails: the engine is dead.
+        self._death: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # start()'s; where callers wait
+        # Owned by the event loop: the streams and the control commands waiting on the thread.
+        self._live: dict[str, Sink] = {}
+        self._pending: set[asyncio.Future[Any]] = set()
 
     @property
     def vocab_size(self) -> int:
@@ -201,6 +208,7 @@ class HFEngine:
         """Load the model on the engine thread and wait until it is ready."""
         if self._thread is not None:
             return
+        self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="tokenwire-hf-engine", daemon=True)
         self._thread.start()
         await asyncio.to_thread(self._ready.wait)
@@ -208,7 +216,15 @@ class HFEngine:
             raise EngineError(f"model failed to load: {self._load_error}") from self._load_error
 
     def is_ready(self) -> bool:
-        return self._ready.is_set() and self._load_error is None and not self._scheduler.stopping
+        return (
+            self._ready.is_set()
+            and self._load_error is None
+            and self._death is None
+            and not self._scheduler.stopping
+        )
+
+    def death(self) -> str | None:
+        return self._death
 
     def stats(self) -> EngineStats:
         s = self._scheduler
@@ -246,7 +262,7 @@ class HFEngine:
     ) -> AsyncIterator[EngineOutput]:
         """Stream a request's outputs; closing the iterator early aborts it in the engine."""
         prompt = list(prompt_token_ids)
-        check_new_request(self.is_ready(), request_id, self._live)
+        check_new_request(self.is_ready(), self._death, request_id, self._live)
         checked = self._images(prompt, media)
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
         self._live[request_id] = sink
@@ -270,6 +286,8 @@ class HFEngine:
                 errors = [i for i in items if isinstance(i, BaseException)]
                 if errors:
                     finished = True
+                    if isinstance(errors[0], EngineDead):
+                        raise errors[0]
                     # Not an EngineError: that means "bad request" (400) to the api layer.
                     raise RuntimeError(f"hf engine step failed: {errors[0]}") from errors[0]
                 for out in _coalesce([i for i in items if isinstance(i, EngineOutput)]):
@@ -387,10 +405,14 @@ class HFEngine:
         await self._command(lambda reply: UnloadAdapter(adapter, reply))
 
     async def _command(self, make: Any) -> Any:
-        check_running(self.is_ready())
+        check_running(self.is_ready(), self._death)
         reply = Reply.here()
-        self._inbox.put(make(reply))
-        return await reply.future
+        self._pending.add(reply.future)
+        try:
+            self._inbox.put(make(reply))
+            return await reply.future
+        finally:
+            self._pending.discard(reply.future)
 
     async def shutdown(self) -> None:
         """Abort everything and stop the engine thread."""
@@ -412,4 +434,22 @@ class HFEngine:
             self._ready.set()
             return
         self._ready.set()
-        self._scheduler.run()
+        try:
+            self._scheduler.run()
+        except BaseException as exc:  # whatever it was, nothing steps any more
+            logger.exception("hf engine: the engine thread failed; the engine is dead")
+            self._death = f"the hf engine's thread failed: {type(exc).__name__}: {exc}"
+            if self._loop is not None:
+                with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                    self._loop.call_soon_threadsafe(self._fail_waiters)
+
+    def _fail_waiters(self) -> None:
+        """On the event loop, once the thread died: nothing will answer the streams and commands
+        that wait on it, so each fails now with ``EngineDead``. Later ones are refused up front
+        (``check_running``), so none can slip in after this."""
+        assert self._death is not None
+        for sink in self._live.values():
+            sink.queue.put_nowait(EngineDead(self._death))
+        for future in self._pending:
+            if not future.done():
+                future.set_exception(EngineDead(self._death))

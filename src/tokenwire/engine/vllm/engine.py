@@ -25,6 +25,7 @@ from tokenwire.engine.base import (
     DEFAULT_WEIGHT_VERSION,
     AdapterTensors,
     AdapterVersion,
+    EngineDead,
     EngineError,
     EngineFeature,
     EngineOutput,
@@ -105,6 +106,8 @@ class VLLMEngine:
         self.vocab_size = 0
         self.eos_token_ids: tuple[int, ...] = ()
         self._llm: Any = None
+        # Why vLLM's engine died, kept once seen: ``_llm`` goes at shutdown, the record stays.
+        self._death: str | None = None
         # vLLM returns one kind of logprobs per engine (--logprobs-mode): a request asking for
         # the other is refused (``config.sampling_params``).
         self.logprobs_mode = logprobs_mode
@@ -182,10 +185,26 @@ class VLLMEngine:
 
     async def _rpc(self, method: str, **kwargs: Any) -> Any:
         """``method`` of ``worker``'s extension on every worker; the first worker's answer."""
-        return (await self._llm.collective_rpc(method, kwargs=kwargs))[0]
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            return (await self._llm.collective_rpc(method, kwargs=kwargs))[0]
+        except EngineDeadError as exc:
+            raise self._dead() from exc
 
     def is_ready(self) -> bool:
         return self._llm is not None and not self._llm.errored
+
+    def death(self) -> str | None:
+        """vLLM's own record (``AsyncLLM.errored``: its engine core or a worker died, or its
+        output handler failed), latched here the first time it is read."""
+        if self._death is None and self._llm is not None and self._llm.errored:
+            self._death = _death_reason(self._llm)
+        return self._death
+
+    def _dead(self) -> EngineDead:
+        """What a call gets once vLLM raised its ``EngineDeadError``."""
+        return EngineDead(self.death() or "vLLM's engine core died")
 
     def stats(self) -> EngineStats:
         """vLLM's queue is inside its engine core: every request in flight counts as running."""
@@ -204,9 +223,10 @@ class VLLMEngine:
         """Stream a request's outputs; closing the iterator early aborts it in vLLM."""
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         prompt = list(prompt_token_ids)
-        check_new_request(self.is_ready(), request_id, self._live)
+        check_new_request(self.is_ready(), self.death(), request_id, self._live)
         if media is not None:
             raise EngineError("--engine vllm takes no image input yet (see docs/api.md)")
         params = sampling_params(sampling, self.logprobs_mode)
@@ -235,6 +255,13 @@ class VLLMEngine:
                 starts = self._version_starts(collector.request_id)
                 for piece in state.convert(output, starts):
                     yield piece
+        except Exception as exc:
+            # vLLM hands its output handler's failure to every request: once the engine is
+            # dead, whatever it was, the request failed with the engine.
+            if not isinstance(exc, EngineDeadError) and self.death() is None:
+                raise
+            finished = True  # nothing is left to abort
+            raise self._dead() from exc
         finally:
             if self._live.get(request_id) is not None:
                 del self._live[request_id]
@@ -433,7 +460,7 @@ class VLLMEngine:
         return load(await self._worker_receive("tokenwire_receive_tensors", update))
 
     def _require_running(self) -> None:
-        check_running(self.is_ready())
+        check_running(self.is_ready(), self.death())
 
     async def shutdown(self) -> None:
         """Stop vLLM's engine processes; requests in flight end."""
@@ -442,3 +469,15 @@ class VLLMEngine:
             await asyncio.to_thread(llm.shutdown)
         if self._adapter_root is not None:
             self._adapter_root.cleanup()
+
+
+def _death_reason(llm: Any) -> str:
+    """Which of vLLM's processes ended, and how; else its engine core reported a fatal error
+    (a worker died under it, say: its log says which) or its output handler failed."""
+    manager = getattr(llm.engine_core.resources, "engine_manager", None)
+    finished = getattr(manager, "finished_procs", dict)()
+    if finished:
+        return "; ".join(
+            f"vLLM's {name} exited with code {code}" for name, code in finished.items()
+        )
+    return "vLLM's engine core failed; its log says why"

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from tokenwire.abandonable import run_abandonable
+
 from .errors import MEMORY_CAP, ChatTemplateError, TemplateLimitExceeded
 
 logger = logging.getLogger("tokenwire.chat_template")
@@ -102,7 +104,7 @@ class RequestTemplateWorkers:
             "template_kwargs": template_kwargs,
         }
         try:
-            frame = await asyncio.to_thread(encode_frame, request)
+            frame = await run_abandonable(lambda: encode_frame(request))
         except (TypeError, ValueError) as exc:
             raise ChatTemplateError(f"Chat template inputs are not JSON: {exc}") from None
         process = await self._idle.get()
@@ -151,7 +153,7 @@ class RequestTemplateWorkers:
             code = await process.wait()
             logger.warning("a request template worker ended while rendering (exit %s)", code)
             raise TemplateLimitExceeded(MEMORY_CAP) from None
-        return await asyncio.to_thread(json.loads, payload)
+        return await run_abandonable(lambda: json.loads(payload))
 
     async def _spawn(self) -> asyncio.subprocess.Process:
         path = os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
