@@ -24,6 +24,7 @@ from tokenwire.engine.factory import create_engine
 T = TypeVar("T")
 API_KEY = "test-secret-key"
 CONTROL_KEY = "test-control-key"  # control_server's: the trainer's, never the router's
+ROUTER_KEY = "test-router-key"  # vllm-router's own --api-key (the servers' --router-api-key)
 SERVER_START_TIMEOUT_S = 900  # the first run builds the model assets
 # vLLM: float32 for parity with a transformers forward (its auto is bfloat16 on CPU). Default
 # flags (--vllm-args): eager mode, as graph capture adds minutes to every start on two cores.
@@ -151,6 +152,8 @@ QWEN3_SERVER_ARGS = [
 ]
 RL_SERVER_ARGS = [
     *("--enable-rl-control", "--max-logprobs", "-1", "--max-held-requests", "2"),
+    # behind vllm-router (tests/test_router.py) as README "Scale out" sets a fleet up
+    *("--router-api-key", ROUTER_KEY),
     # weights from a trainer's group; a broken-off broadcast fails within 20 s
     *("--weight-transfer-config", '{"backend": "gloo", "timeout_s": 20}'),
 ]

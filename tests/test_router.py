@@ -3,8 +3,10 @@
 ``consistent_hash`` keys on ``X-Session-ID``: every request of one session must land on one
 server, and render -> generate -> derender must work through the router. ``power_of_two`` picks
 by the load each server reports on ``GET /get_load``. The servers are the session's two SmolLM2
-servers (one with an API key, which the router passes through). Behind the router no control
-route answers: the servers' control key is one the router does not hold.
+servers, one with keys as README "Scale out" sets them: the router holds a key of its own
+(``--router-api-key``), which opens the stateless routes only; generating routes take the client's
+key, which the router forwards on them. Behind the router no control route answers (the servers'
+control key is one the router does not hold), and neither do the session-recording dialects.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import API_KEY, CONTROL_KEY, Server, free_port
+from tests.conftest import API_KEY, CONTROL_KEY, ROUTER_KEY, Server, free_port
 
 ROUTER_START_TIMEOUT_S = 60
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -54,9 +56,10 @@ class Router:
             "warning",
             "--prometheus-port",
             str(free_port()),
-            # Sent to the workers as their bearer key (client Authorization is not forwarded).
+            # Sent to the workers as their bearer key on the routes where it does not forward
+            # the client's headers (all but the generating ones and /v1/models).
             "--api-key",
-            API_KEY,
+            ROUTER_KEY,
         ]
         self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.log_path = log_path
@@ -196,9 +199,16 @@ def test_no_control_route_answers_through_the_router(
                     if response.is_success:
                         answered[(method, path)] = response.text[:200]
             assert answered == {}
+            # The session dialects and trajectory reads: the router's key opens none of them.
+            for path in ("/v1/responses", "/v1/messages", "/v1/sessions", "/v1/sessions/any"):
+                body = {"input": "Hi", "max_tokens": 4, "messages": PARIS}
+                answer = client.get(path) if "sessions" in path else client.post(path, json=body)
+                assert answer.status_code == 401, (path, answer.text)
             # Inference through the router is as it was.
             assert "Paris" in one_turn(client)
-            assert client.post("/abort_requests", json={"request_ids": ["x"]}).is_success
+            # Aborting by id is not the router key's either (a client ends its own request by
+            # closing its connection, which the router passes on).
+            assert client.post("/abort_requests", json={"request_ids": ["x"]}).status_code == 401
     finally:
         router.stop()
     with httpx.Client(base_url=control_server.url, headers=trainer, timeout=120) as direct:
