@@ -190,12 +190,13 @@ def test_a_trainer_process_updates_two_servers(
             client.post("/update_weights", json={"weight_dir": str(base_dir)}).raise_for_status()
 
 
+@pytest.mark.vllm_only  # on the hf engine: make test-frameworks' plain trainer, with a held request
 def test_a_plain_torch_trainer_updates_the_server(
     rl_server: Server, rl: httpx.Client, base_dir: Path, prompt_ids: list[int], tmp_path: Path
 ) -> None:
     """``init_process_group`` + ``dist.broadcast`` in a trainer process with no tokenwire code
-    (vLLM 0.33's bodies over plain HTTP): the server joins as a member of the trainer's default
-    group, and after the update its logprobs equal a forward of the trained weights."""
+    (vLLM 0.33's bodies over plain HTTP): vLLM's worker joins as a member of the trainer's
+    default group, and after the update its logprobs equal a forward of the trained weights."""
     trained = tmp_path / "trained"
     command = [sys.executable, "-m", "tests.weight_trainer", "torch", str(base_dir)]
     command += [str(trained), "torch-1", API_KEY, rl_server.url]
@@ -464,8 +465,8 @@ def test_a_trainer_that_sends_other_tensors_than_it_named(
     case: str, rl_server: Server, rl: httpx.Client, base_dir: Path, prompt_ids: list[int]
 ) -> None:
     """A 400 naming what was wrong; the server alive, streams started before the update
-    finish, the weights the base's (the call never reached the model); a new group then
-    takes a complete update."""
+    finish, the weights the base's (the call never reached the model); after gloo's abort
+    a new group takes a complete update."""
     if SESSION_ENGINE["kind"] == "vllm" and "more bytes" in MISSENT[case][2]:
         pytest.skip("vLLM's worker holds the group itself: gloo's abort ends the engine")
     params = dict(base_params(base_dir))
@@ -492,6 +493,8 @@ def test_a_trainer_that_sends_other_tensors_than_it_named(
     for stream in streams:
         assert stream.final()["finish_reason"] == "length" and len(stream.tokens()) == 16
     assert_parity(greedy(rl, prompt_ids), base_dir, prompt_ids)
+    if case != "larger":
+        return  # every refusal closes the group alike; the abort (its process killed) shows
     # a complete update over a new group
     trainer = Trainer(None)
     init_info["master_port"] = trainer.port
