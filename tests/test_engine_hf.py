@@ -1040,7 +1040,7 @@ def test_prefix_cache_on_and_off_give_the_same_tokens(
     off = HFEngine(smol_dir, max_num_seqs=16, device="cpu", prefix_cache_bytes=0)
     run(off.start())
     try:
-        prompt = chat(tokenizer, "Tell me about the sea. " * 40)
+        prompt = chat(tokenizer, "Tell me about the sea. " * 20)  # several 16-token blocks
         greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
 
         def seeded(seed: int) -> SamplingParams:
@@ -1050,7 +1050,7 @@ def test_prefix_cache_on_and_off_give_the_same_tokens(
             return list(
                 await asyncio.gather(
                     collect(eng, f"{tag}-g", ids, greedy),
-                    *(collect(eng, f"{tag}-{s}", ids, seeded(s)) for s in range(4)),
+                    *(collect(eng, f"{tag}-{s}", ids, seeded(s)) for s in range(2)),
                 )
             )
 
