@@ -243,7 +243,7 @@ def test_qwen3_answers_as_documented(
     mode: GenerationMode,
 ) -> None:
     """With an API key, parsers and request templates; the fuller configuration."""
-    fuzz(qwen3_server, qwen3_schema, method, path, mode, examples=10)
+    fuzz(qwen3_server, qwen3_schema, method, path, mode, examples=6)
 
 
 @pytest.mark.parametrize(("method", "path"), OPERATIONS, ids=OPERATION_IDS)
