@@ -9,6 +9,7 @@ Leaves ``rl_server`` with the base weights."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -33,13 +34,16 @@ def grpo_logs(rl_server: Server, tmp_path_factory: pytest.TempPathFactory) -> li
             *("--lr", "1e-4", "--train-layers", "2", "--log", str(log)),
         ]
     )
+    started = time.perf_counter()
     try:
         logs = asyncio.run(run(args))
     finally:
         with Client(rl_server.url, api_key=API_KEY) as client:
             client.control.update_weights(str(prepare("smollm2-135m-instruct")), "default")
     assert Path(log).is_file()
-    print(f"grpo smoke on {SESSION_ENGINE['kind']}:")  # the mismatch per step, for the CI log
+    seconds = time.perf_counter() - started
+    # The mismatch per step, in the CI log (-s): vLLM's is the number to watch.
+    print(f"grpo smoke on {SESSION_ENGINE['kind']}, {seconds:.1f} s:")
     for entry in logs:
         print(f"  step {entry.step}: {entry.mismatch['after_update']} {entry.seconds}")
     return logs
