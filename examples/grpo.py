@@ -113,7 +113,7 @@ async def sample(
             async def one(member: int) -> Episode:
                 # One seed per episode: a rerun samples the same ids (at a cost on the hf
                 # engine, whose seeded rows run batch-invariant forwards).
-                seed = args.seed * 10**6 + 1000 * step + 16 * index + member
+                seed = args.seed * 10**6 + 1000 * step + args.group * index + member
                 rollout = Rollout(
                     c,
                     max_turns=2,
