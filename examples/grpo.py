@@ -1,7 +1,7 @@
 """GRPO through tokenwire in plain PyTorch: sample -> score -> train -> sync weights, every step.
 
     tokenwire serve --enable-rl-control --weight-transfer-config '{"backend": "gloo"}' &
-    python -m examples.grpo --steps 30 --log grpo.json --plot grpo.png
+    python -m examples.grpo --log grpo.json --plot grpo.png
 
 The task is a calculator episode in two turns: the user asks for ``a op b``, the model replies
 (turn 1), the environment's calculator answers in the middle (a ``tool`` message) and asks for
@@ -426,11 +426,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--api-key")
     parser.add_argument("--control-key", help="the servers' --control-api-key, if set")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="asset or directory")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--prompts", type=int, default=4, help="problems per step")
     parser.add_argument("--group", type=int, default=4, help="episodes per problem")
     parser.add_argument("--max-tokens", type=int, default=8, help="per turn")
-    parser.add_argument("--lr", type=float, default=2e-5)
+    parser.add_argument("--lr", type=float, default=3e-5)
     parser.add_argument("--clip", type=float, default=0.2)
     parser.add_argument("--train-layers", type=int, default=12, help="top layers trained")
     parser.add_argument("--lag", type=int, choices=[0, 1], default=0, help="off-policy lag")
