@@ -120,6 +120,16 @@ def test_loss_mask_covers_exactly_the_sampled_ids(rollouts) -> None:
         assert sum(result.loss_mask) == sum(len(turn.sampled_ids) for turn in result.turns)
 
 
+def test_every_sampled_id_carries_its_weight_version(rollouts) -> None:
+    """``versions`` names the weights that sampled each id where the loss mask is 1 (kept
+    turns' ids keep theirs), and nothing elsewhere: what a trainer checks staleness with."""
+    for result in rollouts:
+        assert len(result.versions) == len(result.token_ids)
+        for bit, version in zip(result.loss_mask, result.versions, strict=True):
+            assert (version is not None) == (bit == 1)
+        assert {v for v in result.versions if v is not None} == {"default"}
+
+
 def test_trainer_logprobs_match(rollouts, qwen3_dir) -> None:
     check = check_rollouts(load_model(qwen3_dir), rollouts, tolerance=1e-4)
     assert check.problems == []

@@ -42,6 +42,9 @@ class Turn:
     token_ids: list[int]  # prompt_ids + prefill_ids + sampled_ids
     loss_mask: list[int]  # 1 exactly where token_ids holds an id sampled in this or a kept turn
     logprobs: list[float]  # the sampled ids' logprobs where loss_mask is 1, else 0.0
+    # The weight version that sampled each id where loss_mask is 1 (what a trainer checks its
+    # staleness against), else None.
+    versions: list[str | None]
 
     @property
     def completion_ids(self) -> list[int]:
@@ -65,6 +68,10 @@ class RolloutResult:
     @property
     def logprobs(self) -> list[float]:
         return self.turns[-1].logprobs
+
+    @property
+    def versions(self) -> list[str | None]:
+        return self.turns[-1].versions
 
     @property
     def prefix_breaks(self) -> int:
@@ -156,9 +163,10 @@ class Rollout:
             prompt_token_ids=prompt.token_ids,
             chat_request={"messages": conversation, **self.template_fields},
         )
-        extended, reason, mask, logprobs = _carried(prompt, previous)
+        extended, reason, mask, logprobs, versions = _carried(prompt, previous)
         mask += [0] * len(prefill_ids) + [1] * len(choice.token_ids)
         logprobs += [0.0] * len(prefill_ids) + choice.token_logprobs
+        versions += [None] * len(prefill_ids) + choice.token_versions
         return Turn(
             index=index,
             prompt_ids=prompt.token_ids,
@@ -171,21 +179,25 @@ class Rollout:
             token_ids=[*prompt.token_ids, *reply_ids],
             loss_mask=mask,
             logprobs=logprobs,
+            versions=versions,
         )
 
 
 def _carried(
     prompt: Prompt, previous: Turn | None
-) -> tuple[bool | None, str | None, list[int], list[float]]:
-    """The prompt's mask and logprobs: the kept previous ids keep theirs, the rest are 0."""
+) -> tuple[bool | None, str | None, list[int], list[float], list[str | None]]:
+    """The prompt's mask, logprobs and versions: the kept previous ids keep theirs, the rest
+    are 0 (None)."""
     size = len(prompt.token_ids)
     extended = getattr(prompt, "extended", None) if previous is not None else None
     reason = getattr(prompt, "reason", None)
     if not extended or previous is None:
-        return extended, reason, [0] * size, [0.0] * size
+        return extended, reason, [0] * size, [0.0] * size, [None] * size
     kept = prompt.kept_tokens  # type: ignore[attr-defined]
     if prompt.token_ids[:kept] != previous.token_ids[:kept]:
         raise RolloutError(f"turn {previous.index + 1}: the extended prompt changed kept ids")
-    mask = [*previous.loss_mask[:kept], *([0] * (size - kept))]
-    logprobs = [*previous.logprobs[:kept], *([0.0] * (size - kept))]
-    return extended, reason, mask, logprobs
+    fresh = size - kept
+    mask = [*previous.loss_mask[:kept], *([0] * fresh)]
+    logprobs = [*previous.logprobs[:kept], *([0.0] * fresh)]
+    versions = [*previous.versions[:kept], *([None] * fresh)]
+    return extended, reason, mask, logprobs, versions

@@ -57,12 +57,30 @@ class Logprobs(ServerModel):
     content: list[TokenLogprob] | None = None
 
 
+class WeightVersionSpan(ServerModel):
+    """Output tokens ``start`` to ``end`` (exclusive) were sampled by weights ``version``."""
+
+    version: str
+    start: int
+    end: int
+
+
 class GenerateChoice(ServerModel):
     index: int = 0
     token_ids: list[int] = Field(default_factory=list)
     logprobs: Logprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Final output only (a server without --enable-rl-control may send none).
+    weight_versions: list[WeightVersionSpan] | None = None
+
+    @property
+    def token_versions(self) -> list[str | None]:
+        """The weight version that sampled each output id (None where the server said none)."""
+        versions: list[str | None] = [None] * len(self.token_ids)
+        for span in self.weight_versions or ():
+            versions[span.start : span.end] = [span.version] * (span.end - span.start)
+        return versions
 
     @property
     def token_logprobs(self) -> list[float]:
