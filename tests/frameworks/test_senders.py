@@ -105,31 +105,36 @@ def assert_updated(client: httpx.Client, trained: Path, prompt: list[int], versi
     assert_parity(choice, trained, prompt)
 
 
+@pytest.mark.parametrize("backend", ["sglang", "vllm"])
 def test_skyrl_train_broadcast_strategy(
+    backend: str,
     frameworks_server: Server,
     server: httpx.Client,
     base_dir: Path,
     prompt_ids: list[int],
     tmp_path: Path,
 ) -> None:
-    """skyrl-train's remote SGLang engine and ``BroadcastWeightTransferSender``: its group
-    ("skyrl"), one ``/update_weights_from_distributed`` per weight without a group_name, and
-    ``/destroy_weights_update_group`` with no body. skyrl-train neither pauses a remote engine
-    nor names versions (its ``pause_generation`` aborts, which remote engines do not
-    implement): the test pauses (keep) and names the version, as an orchestrator would."""
+    """skyrl-train's remote engine and ``BroadcastWeightTransferSender``: its group ("skyrl"),
+    one call per weight (SGLang's ``/update_weights_from_distributed {name, dtype, shape}``
+    without a group_name, or its vLLM server's ``/update_weights {names, dtypes, shapes}``),
+    and ``/destroy_weights_update_group`` with no body. skyrl-train neither pauses a remote
+    engine nor names versions (its ``pause_generation`` aborts, which remote engines do not
+    implement), nor reads the answers (a 400 would pass unseen): the test pauses (keep) and
+    names the version, as an orchestrator would, and parity shows every weight came."""
     trained = tmp_path / "trained"
     address = f"127.0.0.1:{frameworks_server.port}"
-    args = (str(base_dir), str(trained), address)
+    version = f"skyrl-{backend}-1"
+    args = (backend, str(base_dir), str(trained), address)
     with TrainerProcess("tests.frameworks.skyrl_trainer", *args) as trainer:
         held = Stream(frameworks_server, prompt_ids, max_tokens=HELD_TOKENS, ignore_eos=True)
         held.wait_for_tokens(2)
         ok(server.post("/pause", params={"mode": "keep"}))
         trainer.go()
         trainer.sent()
-    ok(server.post("/update_weight_version", json={"new_version": "skyrl-1"}))
+    ok(server.post("/update_weight_version", json={"new_version": version}))
     ok(server.post("/resume"))
-    assert_held_across(held, ["base", "skyrl-1"])
-    assert_updated(server, trained, prompt_ids, "skyrl-1")
+    assert_held_across(held, ["base", version])
+    assert_updated(server, trained, prompt_ids, version)
 
 
 def test_areal_remote_sglang_engine(
@@ -184,19 +189,17 @@ def test_areal_remote_vllm_engine(
     prompt_ids: list[int],
     tmp_path: Path,
 ) -> None:
-    """AReaL's ``RemotevLLMEngine``: its vLLM server's own routes (``/areal_*``), otherwise as
-    the SGLang engine."""
-    routes = ok(server.get("/openapi.json"))["paths"]
-    needed = ("/areal_init_weights_update_group", "/areal_set_update_weight_meta")
-    if any(route not in routes for route in needed):
-        # AReaL's distributed update names the tensors in one call and broadcasts in the next
-        # (/areal_set_update_weight_meta, /areal_update_weights_xccl): not served yet.
-        pytest.skip("tokenwire serves no /areal_set_update_weight_meta (AReaL's two-step update)")
+    """AReaL's ``RemotevLLMEngine``: its vLLM server's own routes, ``/areal_pause_generation``
+    (abort), per bucket ``/areal_set_update_weight_meta`` then ``/areal_update_weights_xccl``
+    while the trainer broadcasts, ``/areal_continue_generation``; otherwise as the SGLang
+    engine."""
     trained = tmp_path / "trained"
     final, partial = _areal_round(
         "vllm", "areal-vllm-1", frameworks_server, prompt_ids, base_dir, trained
     )
+    assert 2 <= len(partial) < 500
     assert final["weight_versions"] == [{"version": "base", "start": 0, "end": len(partial)}]
+    assert not ok(server.get("/is_paused"))["is_paused"]
     assert_updated(server, trained, prompt_ids + partial, "areal-vllm-1")
 
 

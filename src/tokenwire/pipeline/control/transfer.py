@@ -469,7 +469,9 @@ class WeightTransfer:
         if not self._is_open(group_name):
             named = "" if group_name is None else f" named {group_name!r}"
             raise InvalidRequest(
-                f"no weight-transfer group{named} is open: POST /init_weights_update_group first",
+                f"no weight-transfer group{named} is open: POST /init_weights_update_group "
+                "first (skyrl-train's vLLM form: /init_weight_update_communicator; AReaL's: "
+                "/areal_init_weights_update_group)",
                 "group_name",
             )
         if self._weights.update is not None:
