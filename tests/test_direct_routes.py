@@ -142,6 +142,7 @@ VALID: dict[Route, list[Any]] = {
     ("POST", "/update_weights"): [
         {"weight_dir": "/nonexistent/weights"},
         {"update_info": {"names": ["a"], "dtype_names": ["float32"], "shapes": [[1]]}},
+        {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]]},  # skyrl-train's vLLM form
     ],
     ("POST", "/update_weights_from_disk"): [{"model_path": "/nonexistent/weights"}],
     # Weight transfer without --weight-transfer-config, over an engine with no backend: the
@@ -178,6 +179,10 @@ VALID: dict[Route, list[Any]] = {
     ("POST", "/areal_continue_generation"): [None],
     ("POST", "/areal_update_weights"): [{"model_path": "/nonexistent/weights"}],
     ("POST", "/areal_init_weights_update_group"): [{**GROUP, "backend": "gloo", "group_name": "g"}],
+    ("POST", "/areal_set_update_weight_meta"): [
+        {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g"}
+    ],
+    ("POST", "/areal_update_weights_xccl"): [{}],
 }
 
 # Bodies each route's schema refuses (hypothesis finds more from the valid ones).
@@ -228,7 +233,11 @@ SCHEMA_FAILURES: dict[Route, list[Any]] = {
     ("POST", "/abort_request"): [{"abort_all": "maybe"}],
     ("POST", "/pause_generation"): [{"mode": "forever"}],
     ("POST", "/update_weight_version"): [{"new_version": ""}, {}],
-    ("POST", "/update_weights"): [{"weight_dir": ""}, {"update_info": {"names": ["a"]}}],
+    ("POST", "/update_weights"): [
+        {"weight_dir": ""},
+        {"update_info": {"names": ["a"]}},
+        {"names": ["a"], "dtypes": ["float32"], "shapes": [["1"]]},
+    ],
     ("POST", "/update_weights_from_disk"): [{"model_path": 3}],
     ("POST", "/init_weight_transfer_engine"): [{"init_info": {**GROUP, "rank_offset": 2}}, {}],
     ("POST", "/finish_weight_update"): [{"weight_version": ""}],
@@ -243,6 +252,10 @@ SCHEMA_FAILURES: dict[Route, list[Any]] = {
     ("POST", "/init_weight_update_communicator"): [{"master_addr": "127.0.0.1"}],
     ("POST", "/areal_update_weights"): [{"model_path": ""}],
     ("POST", "/areal_init_weights_update_group"): [{**GROUP, "master_port": "x"}],
+    ("POST", "/areal_set_update_weight_meta"): [
+        {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]]},
+        {"names": ["a"], "dtypes": ["float32"], "shapes": [[-1]], "group_name": "g"},
+    ],
 }
 
 # Bodies that are not valid JSON, or that only one of the parsers takes (greedy where valid).

@@ -47,6 +47,8 @@ MUST_BE_CONTROL = {
     ("POST", "/areal_continue_generation"),
     ("POST", "/areal_update_weights"),
     ("POST", "/areal_init_weights_update_group"),
+    ("POST", "/areal_set_update_weight_meta"),
+    ("POST", "/areal_update_weights_xccl"),
 }
 
 

@@ -252,6 +252,138 @@ def test_areal_init_weights_update_group(fast_control: FastApp) -> None:
     assert group is not None and (group.group_name, group.master_port) == ("areal-group", 29500)
 
 
+AREAL_GROUP = {**GROUP, "master_port": "29500", "backend": "gloo", "group_name": "areal-group"}
+
+
+def areal_meta(names: list[str], group_name: str = "areal-group") -> dict[str, Any]:
+    """vllm_remote.py, build_distributed_weight_update_requests: the meta request's payload
+    (ParamSpec's dtype as FSDPEngine writes it, ``str(dtype).split("torch.")[1]``)."""
+    return {
+        "names": names,
+        "dtypes": ["float32"] * len(names),
+        "shapes": [list(FAKE_LAYOUT[name]) for name in names],
+        "group_name": group_name,
+    }
+
+
+def test_areal_two_step_distributed_update(fast_control: FastApp) -> None:
+    """vllm_remote.py: pause, then per bucket ``/areal_set_update_weight_meta`` and
+    ``/areal_update_weights_xccl`` (payload ``{}``) in that order, then continue. The tensors
+    are received on the second call; the pause AReaL took stays until its continue."""
+    app = fast_control
+    client = app.client
+    success = {"success": True, "message": "TP rank: 0 success\n"}
+    assert ok(client.post("/areal_init_weights_update_group", json=AREAL_GROUP)) == success
+    gate = Gate()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        running = held_stream(pool, app, gate)
+        gate.wait_reached()
+        ok(client.post("/areal_pause_generation", json={}))
+        gate.open()
+        assert finish_reason(running.result(timeout=10)) == "abort"
+    first, second = FAKE_LAYOUT
+    assert ok(client.post("/areal_set_update_weight_meta", json=areal_meta([first]))) == success
+    assert app.engine.received == []  # announced, not received
+    assert ok(client.post("/areal_update_weights_xccl", json={})) == success
+    assert ok(client.post("/areal_set_update_weight_meta", json=areal_meta([second]))) == success
+    assert ok(client.post("/areal_update_weights_xccl", json={})) == success
+    assert app.engine.received == [first, second]
+    assert app.engine.paused  # AReaL's hold outlives the update
+    ok(client.post("/areal_continue_generation", json={}))
+    assert not app.engine.paused
+    assert ok(client.get("/weight_info"))["state"] == "whole"
+
+
+def test_areal_two_step_refusals(fast_control: FastApp) -> None:
+    """Each announcement is received once; a meta naming no open group, or unequal lists, is a
+    400 that keeps the group; a misfit against the model is refused at the meta call and closes
+    the group, since the trainer's broadcast follows whatever the server answers."""
+    app = fast_control
+    client = app.client
+    first, second = FAKE_LAYOUT
+    error = assert_error(client.post("/areal_update_weights_xccl", json={}), 400, "announced")
+    assert error["param"] == "names"
+    error = assert_error(
+        client.post("/areal_set_update_weight_meta", json=areal_meta([first])), 400
+    )
+    assert error["param"] == "group_name"
+    ok(client.post("/areal_init_weights_update_group", json=AREAL_GROUP))
+    other = areal_meta([first], group_name="other")
+    error = assert_error(client.post("/areal_set_update_weight_meta", json=other), 400)
+    assert "'other'" in error["message"] and error["param"] == "group_name"
+    unequal = {**areal_meta([first, second]), "shapes": [[8, 4]]}
+    assert_error(client.post("/areal_set_update_weight_meta", json=unequal), 400, "same length")
+    # A second announcement replaces the first (AReaL's worker keeps the last).
+    ok(client.post("/areal_set_update_weight_meta", json=areal_meta([first])))
+    ok(client.post("/areal_set_update_weight_meta", json=areal_meta([second])))
+    ok(client.post("/areal_update_weights_xccl", json={}))
+    assert app.engine.received == [second]
+    assert_error(client.post("/areal_update_weights_xccl", json={}), 400, "announced")
+    assert app.engine.group is not None
+    misfit = {**areal_meta([first]), "shapes": [[4, 8]]}
+    error = assert_error(client.post("/areal_set_update_weight_meta", json=misfit), 400)
+    assert "the group is closed" in error["message"]
+    assert app.engine.group is None and app.engine.received == [second]
+    assert_error(client.post("/areal_update_weights_xccl", json={}), 400, "announced")
+    assert ok(client.get("/weight_info"))["state"] == "whole"
+
+
+def test_areal_announcement_ends_with_its_group(fast_control: FastApp) -> None:
+    """Tensors announced over a group that closed are never received over the next one."""
+    app = fast_control
+    client = app.client
+    ok(client.post("/areal_init_weights_update_group", json=AREAL_GROUP))
+    ok(client.post("/areal_set_update_weight_meta", json=areal_meta(list(FAKE_LAYOUT))))
+    ok(client.post("/destroy_weights_update_group"))
+    ok(client.post("/areal_init_weights_update_group", json=AREAL_GROUP))
+    assert_error(client.post("/areal_update_weights_xccl", json={}), 400, "announced")
+    assert app.engine.received == []
+
+
+def test_areal_broken_off_broadcast_leaves_the_server_up(fast_control: FastApp) -> None:
+    """The trainer dies mid-broadcast of an xccl call: a 400, the group gone, generation
+    refused until a complete update (the model holds some new tensors), the server up."""
+    app = fast_control
+    client = app.client
+    ok(client.post("/areal_init_weights_update_group", json=AREAL_GROUP))
+    ok(client.post("/areal_set_update_weight_meta", json=areal_meta(list(FAKE_LAYOUT))))
+    app.engine.break_receive = True
+    assert_error(client.post("/areal_update_weights_xccl", json={}), 400, "mid-broadcast")
+    assert app.engine.group is None
+    assert ok(client.get("/weight_info"))["state"] == "broken"
+    assert client.get("/health").status_code == 200
+
+
+# -- skyrl-train: /update_weights {names, dtypes, shapes} ---------------------------------------
+
+
+def test_skyrl_train_vllm_update_weights(fast_control: FastApp) -> None:
+    """remote_inference_engine.py, RemoteWeightLoader.load_weights with ``engine_backend
+    "vllm"``: ``asdict(BroadcastWeightUpdateRequest)``, one tensor per call (broadcast_strategy.py,
+    send_chunks), after ``/init_weight_update_communicator``; answered ``{"status": "ok"}`` as
+    its vllm_server.py. Received and loaded at once (SGLang's batched form), no group name."""
+    app = fast_control
+    client = app.client
+    first, second = FAKE_LAYOUT
+    request = {"names": [first], "dtypes": ["float32"], "shapes": [list(FAKE_LAYOUT[first])]}
+    error = assert_error(client.post("/update_weights", json=request), 400, "no weight-transfer")
+    assert error["param"] == "group_name"
+    init_info = {"master_addr": "127.0.0.1", "master_port": 29500, "rank_offset": 1}
+    init_info |= {"world_size": 2, "group_name": "skyrl", "backend": "gloo"}
+    ok(client.post("/init_weight_update_communicator", json=init_info))
+    assert ok(client.post("/update_weights", json=request)) == {"status": "ok"}
+    request = {"names": [second], "dtypes": ["float32"], "shapes": [list(FAKE_LAYOUT[second])]}
+    assert ok(client.post("/update_weights", json=request)) == {"status": "ok"}
+    assert app.engine.received == [first, second]
+    assert not app.engine.paused  # each call's own pause ended with it
+    # One form per body; unequal lists are a 400 before anything is received.
+    both = {**request, "weight_dir": "/tmp"}
+    assert assert_error(client.post("/update_weights", json=both), 400)["param"] == "names"
+    unequal = {**request, "dtypes": []}
+    assert_error(client.post("/update_weights", json=unequal), 400, "same length")
+    assert app.engine.received == [first, second] and app.engine.group is not None
+
+
 # -- atropos' vLLM server body on /generate -----------------------------------------------------
 
 

@@ -154,12 +154,16 @@ def test_vllm_update_weights_body_says_what_is_missing(rl: httpx.Client) -> None
     response = rl.post("/update_weights", json={"update_info": {**update_info, "packed": True}})
     error = assert_error(response, 400, "weight-transfer engine is not initialised")
     assert error["param"] == "update_info" and '"weight_dir"' in error["message"]
-    # skyrl-train's remote vLLM engine: one named tensor per call, neither form.
+    # skyrl-train's remote vLLM engine (RemoteWeightLoader.load_weights): one named tensor per
+    # call, received at once over the group /init_weight_update_communicator opened; none is
+    # open here, and the answer names what to call first.
     skyrl = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[8, 4]]}
-    error = assert_error(rl.post("/update_weights", json=skyrl), 400, '"update_info"')
-    assert error["param"] == "weight_dir" and '"weight_dir"' in error["message"]
+    error = assert_error(rl.post("/update_weights", json=skyrl), 400, "no weight-transfer group")
+    assert error["param"] == "group_name"
     both = {"weight_dir": "/tmp", "update_info": update_info}
     assert assert_error(rl.post("/update_weights", json=both), 400)["param"] == "update_info"
+    error = assert_error(rl.post("/update_weights", json={}), 400, "skyrl-train's")
+    assert error["param"] == "weight_dir"
 
 
 # -- sleep and wake-up: vLLM's query, skyrl-train's bodies, SGLang's memory routes -------------

@@ -3,7 +3,8 @@ real trainer process (one optimizer step) broadcasting to two servers through
 ``tokenwire.client``; vLLM's and SGLang's protocol driven by hand with the bodies TRL and SkyRL
 send; a trainer killed mid-broadcast; the refusals; and vLLM's fused layers. A trainer that
 broadcasts other tensors than it named (larger, smaller, another dtype, NaN) is refused while
-the server and its requests go on. Every test leaves ``rl_server`` with the base weights."""
+the server and its requests go on, on vLLM's form and on the frameworks' own (skyrl-train's
+vLLM server, AReaL's two steps). Every test leaves ``rl_server`` with the base weights."""
 
 from __future__ import annotations
 
@@ -519,3 +520,81 @@ def _tensor(
     if kind == "nan":
         return name, torch.full_like(tensor, float("nan"))
     return name, tensor if kind is None else tensor.to(kind)
+
+
+def test_the_framework_forms_refuse_a_missent_tensor_and_take_a_complete_update(
+    rl_server: Server, rl: httpx.Client, base_dir: Path, prompt_ids: list[int]
+) -> None:
+    """skyrl-train's vLLM form (``/update_weights {names, dtypes, shapes}``) and AReaL's two
+    steps (``/areal_set_update_weight_meta``, ``/areal_update_weights_xccl``) receive through
+    the path SGLang's form does: a trainer that broadcasts other bytes than it announced gets a
+    400, the server stays up, a stream in flight finishes, the base weights stay. Then AReaL's
+    two steps carry a complete update, each bucket announced and received in turn."""
+    # On the hf engine, the larger broadcast (gloo's abort, in its group process); vLLM's worker
+    # holds the group itself, where that abort ends the engine: the shorter one there.
+    case = "smaller" if SESSION_ENGINE["kind"] == "vllm" else "larger"
+    params = dict(base_params(base_dir))
+    announced, sent, message = MISSENT[case]
+    named = [_tensor(params, entry) for entry in announced]
+    missent = [_tensor(params, entry)[1] for entry in sent]
+    # skyrl-train's BroadcastWeightUpdateRequest, AReaL's meta: the same lists.
+    lists = {
+        "names": [name for name, _ in named],
+        "dtypes": [dtype_name(t.dtype) for _, t in named],
+        "shapes": [list(t.shape) for _, t in named],
+    }
+    base = greedy(rl, prompt_ids)  # the base weights' answer (every test leaves them)
+    stream = Stream(rl_server, prompt_ids, max_tokens=16, ignore_eos=True)
+    stream.wait_for_tokens(1)
+    skyrl = Trainer("skyrl")
+    init_info = {"master_addr": "127.0.0.1", "master_port": skyrl.port, "rank_offset": 1}
+    init_info |= {"world_size": 2, "group_name": "skyrl", "backend": "gloo"}
+    ok(skyrl.join(lambda: rl.post("/init_weight_update_communicator", json=init_info)))
+    answer = skyrl.post_while(lambda: rl.post("/update_weights", json=lists), missent)
+    assert "the group is closed" in assert_error(answer, 400, message)["message"]
+    skyrl.leave()
+    assert stream.final()["finish_reason"] == "length" and len(stream.tokens()) == 16
+
+    areal = Trainer("update_weight_group")
+    group = {"master_address": "127.0.0.1", "master_port": str(areal.port), "rank_offset": 1}
+    group |= {"world_size": 2, "backend": "gloo", "group_name": "update_weight_group"}
+    join = lambda: rl.post("/areal_init_weights_update_group", json=group)  # noqa: E731
+    ok(areal.join(join))
+    meta = {**lists, "group_name": "update_weight_group"}
+    ok(rl.post("/areal_set_update_weight_meta", json=meta))
+    xccl = lambda: rl.post("/areal_update_weights_xccl", json={})  # noqa: E731
+    answer = areal.post_while(xccl, missent)
+    assert "the group is closed" in assert_error(answer, 400, message)["message"]
+    areal.leave()
+    assert rl.get("/health").status_code == 200
+    assert ok(rl.get("/weight_info"))["state"] == "whole"
+    assert not ok(rl.get("/is_paused"))["is_paused"]
+    assert_same_answer(greedy(rl, prompt_ids), base)
+
+    areal = Trainer("update_weight_group")
+    group["master_port"] = str(areal.port)
+    ok(areal.join(join))
+    ok(rl.post("/areal_pause_generation", json={}))
+    items = list(params.items())
+    half = len(items) // 2
+    for bucket in (items[:half], items[half:]):
+        tensors = dict(bucket)
+        meta = {**update_info(bucket), "group_name": "update_weight_group"}
+        meta["dtypes"] = meta.pop("dtype_names")
+        ok(rl.post("/areal_set_update_weight_meta", json=meta))
+        assert areal.send(xccl, list(tensors.values()))["success"] is True
+    ok(rl.post("/update_weight_version", json={"new_version": "areal-two-step"}))
+    ok(rl.post("/areal_continue_generation", json={}))
+    ok(rl.post("/destroy_weights_update_group"))
+    areal.leave()
+    choice = greedy(rl, prompt_ids)
+    assert choice["weight_versions"] == [{"version": "areal-two-step", "start": 0, "end": 8}]
+    assert_same_answer(choice, base)  # it sent the base weights: nothing else came in
+
+
+def assert_same_answer(choice: dict, base: dict) -> None:
+    """The server's greedy answer is the one it gave on the base weights (ids, logprobs 1e-4):
+    the weights are the base's, without another transformers forward."""
+    assert choice["token_ids"] == base["token_ids"]
+    got, want = ([entry["logprob"] for entry in c["logprobs"]["content"]] for c in (choice, base))
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-4

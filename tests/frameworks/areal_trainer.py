@@ -1,10 +1,12 @@
 """AReaL 1.0.4's trainer side of an "xccl" weight update against one tokenwire server, through
 its remote engine (``RemoteSGLangEngine`` or ``RemotevLLMEngine``), on the CPU platform's gloo.
 
-    python -m tests.frameworks.areal_trainer sglang|vllm MODEL_DIR OUT_DIR HOST:PORT VERSION
+    python -m tests.frameworks.areal_trainer BACKEND[,BACKEND...] MODEL_DIR OUT_DIR HOST:PORT
+        VERSION[,VERSION...]
 
-One AdamW step (saved to OUT_DIR), the group, "ready"; on a line from stdin, the update,
-"sent". The glue between AReaL's calls is ``FSDPEngine``'s rank 0 written out
+One AdamW step (saved to OUT_DIR); then per backend (sglang, vllm) the group, "ready"; on a
+line from stdin, the update (named VERSION), the trainer's end of the group closed, "sent".
+The glue between AReaL's calls is ``FSDPEngine``'s rank 0 written out
 (``_init_weight_update_from_distributed``, ``_update_weights_from_distributed`` with its
 buckets), since an ``FSDPEngine`` needs its whole training setup; the HTTP bodies, the group
 and the pause are AReaL's code. The new version is named on the server with tokenwire's
@@ -53,10 +55,17 @@ def buckets(model: torch.nn.Module, limit_bytes: int) -> list[list[tuple[str, to
     return out
 
 
-def main(backend: str, model_dir: str, out_dir: str, address: str, version: str) -> None:
+def main(backends: str, model_dir: str, out_dir: str, address: str, versions: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     one_step(model)
     model.save_pretrained(out_dir)
+    # One round per backend, the same weights each time: one process and one step for all.
+    for backend, version in zip(backends.split(","), versions.split(","), strict=True):
+        send_round(backend, model, address, version)
+
+
+def send_round(backend: str, model: torch.nn.Module, address: str, version: str) -> None:
+    """AReaL's remote engine of ``backend``: join, "ready"; on a line from stdin, update."""
     engine_class = RemoteSGLangEngine if backend == "sglang" else RemotevLLMEngine
     rollout = engine_class(InferenceEngineConfig(backend=f"{backend}:d1", request_timeout=120))
     rollout.initialize(addr=address)
@@ -95,6 +104,7 @@ def main(backend: str, model_dir: str, out_dir: str, address: str, version: str)
     httpx.post(f"http://{address}/update_weight_version", json={"new_version": version})
     rollout.continue_generation()
     rollout.destroy()
+    dist.destroy_process_group(group)  # the next round's group takes the same name
     print("sent", flush=True)
 
 

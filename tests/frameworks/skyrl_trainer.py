@@ -1,12 +1,16 @@
 """skyrl-train 0.3.1's trainer side against one tokenwire server, as its FSDP worker runs it
-with a remote SGLang engine: ``Worker.init_weight_sync_state`` (the sender's group and the
-engines' init at once), then ``broadcast_to_inference_engines`` (one
-``BroadcastWeightTransferSender.send_chunks`` over every weight), on gloo.
+with a remote engine of either backend: ``Worker.init_weight_sync_state`` (the sender's group
+and the engines' init at once), then ``broadcast_to_inference_engines`` (one
+``BroadcastWeightTransferSender.send_chunks`` over every weight), on gloo. The backend picks
+the routes skyrl-train's ``RemoteWeightLoader`` posts: SGLang's (``/init_weights_update_group``,
+``/update_weights_from_distributed {name, dtype, shape}``) or its own vLLM server's
+(``/init_weight_update_communicator``, ``/update_weights {names, dtypes, shapes}``).
 
-    python -m tests.frameworks.skyrl_trainer MODEL_DIR OUT_DIR HOST:PORT
+    python -m tests.frameworks.skyrl_trainer BACKEND[,BACKEND...] MODEL_DIR OUT_DIR HOST:PORT
 
-One AdamW step (saved to OUT_DIR), the group, "ready"; on a line from stdin, the weights, the
-group's teardown (skyrl-train's ``/destroy_weights_update_group``), "sent". Everything past the
+One AdamW step (saved to OUT_DIR); then per backend (sglang, vllm) the group, "ready"; on a
+line from stdin, the weights, the group's teardown (skyrl-train's
+``/destroy_weights_update_group``), "sent". Everything past the
 step is skyrl-train's code; the two worker methods' glue is written out here because
 ``skyrl_train.workers`` needs a Ray actor and an FSDP model around it.
 """
@@ -35,14 +39,14 @@ from tests.weight_trainer import one_step
 torch.__version__ = "2.8.0"  # type: ignore[assignment]
 
 
-def config(model_dir: str) -> object:
+def config(backend: str, model_dir: str) -> object:
     """The keys of skyrl-train's ``ppo_base_config.yaml`` that the path reads: one remote
     engine, gloo, float32 weights (the server's dtype, for parity)."""
     return OmegaConf.create(
         {
             "trainer": {"policy": {"model": {"path": model_dir}}},
             "generator": {
-                "backend": "sglang",
+                "backend": backend,
                 "num_inference_engines": 1,
                 "inference_engine_tensor_parallel_size": 1,
                 "inference_engine_pipeline_parallel_size": 1,
@@ -58,7 +62,7 @@ def config(model_dir: str) -> object:
     )
 
 
-async def main(model_dir: str, out_dir: str, address: str) -> None:
+async def main(backends: str, model_dir: str, out_dir: str, address: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     one_step(model)
     model.save_pretrained(out_dir)
@@ -66,14 +70,23 @@ async def main(model_dir: str, out_dir: str, address: str) -> None:
     # barriers on it): here one rank.
     url = f"tcp://127.0.0.1:{free_port()}"
     dist.init_process_group("gloo", init_method=url, rank=0, world_size=1)
-    cfg = config(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # One round per backend, the same weights each time: one process and one step for all.
+    for backend in backends.split(","):
+        await send_round(backend, model, tokenizer, model_dir, address)
+
+
+async def send_round(
+    backend: str, model: torch.nn.Module, tokenizer: object, model_dir: str, address: str
+) -> None:
+    """Join, "ready"; on a line from stdin, send every weight, leave, "sent"."""
+    cfg = config(backend, model_dir)
     # The node's address as Ray reports it; the test server dials loopback only.
     init_info = replace(BroadcastTransferStrategy.create_init_info(cfg), master_addr="127.0.0.1")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engines = create_remote_inference_engines(
         [address],
         model_name=model_dir,
-        engine_backend="sglang",
+        engine_backend=backend,
         tokenizer=tokenizer,
         tensor_parallel_size=1,
         pipeline_parallel_size=1,

@@ -14,7 +14,6 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -112,92 +111,81 @@ def test_skyrl_train_broadcast_strategy(
     prompt_ids: list[int],
     tmp_path: Path,
 ) -> None:
-    """skyrl-train's remote SGLang engine and ``BroadcastWeightTransferSender``: its group
-    ("skyrl"), one ``/update_weights_from_distributed`` per weight without a group_name, and
-    ``/destroy_weights_update_group`` with no body. skyrl-train neither pauses a remote engine
-    nor names versions (its ``pause_generation`` aborts, which remote engines do not
-    implement): the test pauses (keep) and names the version, as an orchestrator would."""
+    """skyrl-train's remote engine of each backend and ``BroadcastWeightTransferSender``: its
+    group ("skyrl"), one call per weight (SGLang's ``/update_weights_from_distributed {name,
+    dtype, shape}`` without a group_name; its vLLM server's ``/update_weights {names, dtypes,
+    shapes}`` after ``/init_weight_update_communicator``), and ``/destroy_weights_update_group``
+    with no body. One trainer process (one step) sends both rounds, the base weights reloaded
+    between them. skyrl-train neither pauses a remote engine nor names versions (its
+    ``pause_generation`` aborts, which remote engines do not implement), nor reads the answers
+    (a 400 would pass unseen): the test pauses (keep) and names the version, as an
+    orchestrator would, and parity shows every weight came."""
     trained = tmp_path / "trained"
     address = f"127.0.0.1:{frameworks_server.port}"
-    args = (str(base_dir), str(trained), address)
+    args = ("sglang,vllm", str(base_dir), str(trained), address)
     with TrainerProcess("tests.frameworks.skyrl_trainer", *args) as trainer:
-        held = Stream(frameworks_server, prompt_ids, max_tokens=HELD_TOKENS, ignore_eos=True)
-        held.wait_for_tokens(2)
-        ok(server.post("/pause", params={"mode": "keep"}))
-        trainer.go()
-        trainer.sent()
-    ok(server.post("/update_weight_version", json={"new_version": "skyrl-1"}))
-    ok(server.post("/resume"))
-    assert_held_across(held, ["base", "skyrl-1"])
-    assert_updated(server, trained, prompt_ids, "skyrl-1")
+        for backend in ("sglang", "vllm"):
+            if backend != "sglang":
+                reload = {"weight_dir": str(base_dir), "weight_version": "base"}
+                ok(server.post("/update_weights", json=reload))
+                trainer.expect("ready")
+            version = f"skyrl-{backend}-1"
+            held = Stream(frameworks_server, prompt_ids, max_tokens=HELD_TOKENS, ignore_eos=True)
+            held.wait_for_tokens(2)
+            ok(server.post("/pause", params={"mode": "keep"}))
+            trainer.go()
+            trainer.expect("sent")
+            ok(server.post("/update_weight_version", json={"new_version": version}))
+            ok(server.post("/resume"))
+            assert_held_across(held, ["base", version])
+            assert_updated(server, trained, prompt_ids, version)
+        assert trainer.process.wait(60) == 0
 
 
-def test_areal_remote_sglang_engine(
+def test_areal_remote_engines(
     frameworks_server: Server,
     server: httpx.Client,
     base_dir: Path,
     prompt_ids: list[int],
     tmp_path: Path,
 ) -> None:
-    """AReaL's ``RemoteSGLangEngine``: ``/init_weights_update_group`` (the port a string),
-    ``/pause_generation`` with no mode (SGLang's abort), one ``/update_weights_from_distributed``
-    per bucket, ``/continue_generation``. A request in flight is aborted with its tokens so far,
-    all of the old weights; AReaL resubmits prompt + those tokens (``agenerate``), and the
-    continuation is the new weights'."""
+    """AReaL's remote engines, one round each from one trainer process (one step), the base
+    weights reloaded between them:
+
+    - ``RemoteSGLangEngine``: ``/init_weights_update_group`` (the port a string),
+      ``/pause_generation`` with no mode (SGLang's abort), one
+      ``/update_weights_from_distributed`` per bucket, ``/continue_generation``;
+    - ``RemotevLLMEngine``: its vLLM server's own routes, ``/areal_init_weights_update_group``,
+      ``/areal_pause_generation`` (abort), per bucket ``/areal_set_update_weight_meta`` then
+      ``/areal_update_weights_xccl`` while the trainer broadcasts,
+      ``/areal_continue_generation``.
+
+    A request in flight is aborted with its tokens so far, all of the old weights; AReaL
+    resubmits prompt + those tokens (``agenerate``), and the continuation is the new
+    weights'."""
     trained = tmp_path / "trained"
-    final, partial = _areal_round(
-        "sglang", "areal-1", frameworks_server, prompt_ids, base_dir, trained
-    )
-    assert 2 <= len(partial) < 500
-    assert final["weight_versions"] == [{"version": "base", "start": 0, "end": len(partial)}]
-    assert not ok(server.get("/is_paused"))["is_paused"]
-    assert_updated(server, trained, prompt_ids + partial, "areal-1")
-
-
-def _areal_round(
-    engine: str,
-    version: str,
-    frameworks_server: Server,
-    prompt_ids: list[int],
-    base_dir: Path,
-    trained: Path,
-) -> tuple[dict[str, Any], list[int]]:
-    """AReaL's trainer updates the server (``engine``: its remote engine's kind) while a request
-    is in flight; that request's final chunk (its finish reason checked: AReaL's pause aborts
-    it) and its tokens."""
     address = f"127.0.0.1:{frameworks_server.port}"
-    args = (engine, str(base_dir), str(trained), address, version)
+    rounds = {"sglang": "areal-1", "vllm": "areal-vllm-1"}
+    args = (",".join(rounds), str(base_dir), str(trained), address, ",".join(rounds.values()))
     with TrainerProcess("tests.frameworks.areal_trainer", *args) as trainer:
-        held = Stream(frameworks_server, prompt_ids, max_tokens=500, ignore_eos=True)
-        held.wait_for_tokens(2)
-        trainer.go()
-        trainer.sent()
-    final = held.final()
-    assert final["finish_reason"] == "abort"
-    return final, held.tokens()
-
-
-def test_areal_remote_vllm_engine(
-    frameworks_server: Server,
-    server: httpx.Client,
-    base_dir: Path,
-    prompt_ids: list[int],
-    tmp_path: Path,
-) -> None:
-    """AReaL's ``RemotevLLMEngine``: its vLLM server's own routes (``/areal_*``), otherwise as
-    the SGLang engine."""
-    routes = ok(server.get("/openapi.json"))["paths"]
-    needed = ("/areal_init_weights_update_group", "/areal_set_update_weight_meta")
-    if any(route not in routes for route in needed):
-        # AReaL's distributed update names the tensors in one call and broadcasts in the next
-        # (/areal_set_update_weight_meta, /areal_update_weights_xccl): not served yet.
-        pytest.skip("tokenwire serves no /areal_set_update_weight_meta (AReaL's two-step update)")
-    trained = tmp_path / "trained"
-    final, partial = _areal_round(
-        "vllm", "areal-vllm-1", frameworks_server, prompt_ids, base_dir, trained
-    )
-    assert final["weight_versions"] == [{"version": "base", "start": 0, "end": len(partial)}]
-    assert_updated(server, trained, prompt_ids + partial, "areal-vllm-1")
+        for engine, version in rounds.items():
+            if engine != "sglang":
+                reload = {"weight_dir": str(base_dir), "weight_version": "base"}
+                ok(server.post("/update_weights", json=reload))
+                trainer.expect("ready")
+            held = Stream(frameworks_server, prompt_ids, max_tokens=500, ignore_eos=True)
+            held.wait_for_tokens(2)
+            trainer.go()
+            trainer.expect("sent")
+            final, partial = held.final(), held.tokens()
+            assert final["finish_reason"] == "abort"  # AReaL's pause aborts
+            assert 2 <= len(partial) < 500
+            assert final["weight_versions"] == [
+                {"version": "base", "start": 0, "end": len(partial)}
+            ]
+            assert not ok(server.get("/is_paused"))["is_paused"]
+            assert_updated(server, trained, prompt_ids + partial, version)
+        assert trainer.process.wait(60) == 0
 
 
 def test_a_plain_init_process_group_trainer(

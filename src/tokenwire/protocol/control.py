@@ -126,14 +126,32 @@ class TransferUpdateInfo(StrictRequestModel):
 
 
 class UpdateWeightsBody(RequestModel):
-    """``/update_weights`` in either client's form: prime-rl's checkpoint directory of the same
-    architecture (``weight_dir``), or vLLM's weight-transfer step (``update_info``, tensors
-    from the trainer's group; a list holds one entry per receiving rank, as vLLM's data-parallel
-    form: this server is rank 0 of it); ``pipeline.control.update_weights`` tells them apart."""
+    """``/update_weights`` in one of three clients' forms: prime-rl's checkpoint directory of
+    the same architecture (``weight_dir``), vLLM's weight-transfer step (``update_info``,
+    tensors from the trainer's group; a list holds one entry per receiving rank, as vLLM's
+    data-parallel form: this server is rank 0 of it), or skyrl-train's vLLM server's
+    ``asdict(BroadcastWeightUpdateRequest)`` (``names``/``dtypes``/``shapes``: received and
+    loaded at once, as SGLang's ``/update_weights_from_distributed``);
+    ``pipeline.control.update_weights`` tells them apart."""
 
     weight_dir: ServerPath | None = Field(default=None, min_length=1)
     weight_version: str | None = Field(default=None, min_length=1, max_length=256)
     update_info: TransferUpdateInfo | list[TransferUpdateInfo] | None = None
+    names: list[str] | None = None
+    dtypes: list[str] | None = None
+    shapes: list[list[Dim]] | None = None
+
+    def named_update(self) -> UpdateWeightsFromDistributedBody | None:
+        """skyrl-train's form as the SGLang body it means (None: another form). Missing or
+        unequal lists are ``update_from_distributed``'s 400."""
+        if self.names is None and self.dtypes is None and self.shapes is None:
+            return None
+        return UpdateWeightsFromDistributedBody(
+            names=self.names if self.names is not None else [],
+            dtypes=self.dtypes,
+            shapes=self.shapes,
+            weight_version=self.weight_version,
+        )
 
 
 class FinishWeightUpdateBody(RequestModel):

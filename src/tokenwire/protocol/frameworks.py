@@ -9,6 +9,7 @@ from pydantic import Field
 
 from tokenwire.protocol.common import Int64, RequestModel, StrictRequestModel
 from tokenwire.protocol.control import (
+    Dim,
     InitWeightsUpdateGroupBody,
     LenientPort,
     LoraConfig,
@@ -103,3 +104,14 @@ class ArealUpdateWeightsBody(RequestModel):
     whatever they say)."""
 
     model_path: str = Field(min_length=1)
+
+
+class ArealWeightMetaBody(RequestModel):
+    """AReaL's ``/areal_set_update_weight_meta``: the tensors, in broadcast order, that the next
+    ``/areal_update_weights_xccl`` receives over group ``group_name`` (AReaL's
+    ``UpdateWeightsFromXcclRequest``; its update call then carries ``{}``)."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[Dim]]
+    group_name: str = Field(min_length=1, max_length=256)

@@ -126,12 +126,18 @@ async def weight_info(request: Request) -> Response:
     return OrjsonResponse(pipeline_of(request).control.weight_info())
 
 
-@router.post("/update_weights", response_model=UpdateWeightsResponse | MessageResponse)
+@router.post(
+    "/update_weights", response_model=UpdateWeightsResponse | MessageResponse | StatusResponse
+)
 async def update_weights(body: UpdateWeightsBody, request: Request) -> Response:
-    """prime-rl's checkpoint directory, or vLLM's ``update_info`` (between start and finish)."""
+    """prime-rl's checkpoint directory, vLLM's ``update_info`` (between start and finish), or
+    skyrl-train's ``names``/``dtypes``/``shapes`` (answered as its vLLM server does)."""
+    named = body.named_update()
     version = await pipeline_of(request).control.update_weights(
-        body.weight_dir, body.weight_version, body.update_info
+        body.weight_dir, body.weight_version, body.update_info, named
     )
+    if named is not None:
+        return OrjsonResponse({"status": "ok"})
     if version is None:
         return OrjsonResponse({"message": "Weights updated"})
     return OrjsonResponse({"success": True, "weight_version": version})

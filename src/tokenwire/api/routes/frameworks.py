@@ -1,6 +1,7 @@
 """Routes RL frameworks' own bundled servers add (``--enable-rl-control``, the control key):
 SkyRL's ``/collective_rpc`` methods and ``/fetch_weights``, skyrl-train's
-``/init_weight_update_communicator``, AReaL's ``/areal_*``. Bodies and answers are theirs;
+``/init_weight_update_communicator``, AReaL's ``/areal_*`` (its checkpoint reload and its
+two-step distributed update included). Bodies and answers are theirs;
 each route is one control-plane call (``pipeline.control.frameworks`` for SkyRL's methods)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from tokenwire.pipeline.control import frameworks
 from tokenwire.protocol.control import InitWeightsUpdateGroupBody
 from tokenwire.protocol.frameworks import (
     ArealUpdateWeightsBody,
+    ArealWeightMetaBody,
     CollectiveRpcBody,
     FetchWeightsBody,
     InitWeightUpdateCommunicatorBody,
@@ -87,4 +89,22 @@ async def areal_init_weights_update_group(
 ) -> Response:
     """AReaL's group: SGLang's fields, joined as SGLang's ``init_weights_update_group``."""
     await pipeline_of(request).control.transfer.init_group(body)
+    return OrjsonResponse({"success": True, "message": _AREAL_RANK_OK})
+
+
+@router.post("/areal_set_update_weight_meta", response_model=SuccessMessageResponse)
+async def areal_set_update_weight_meta(body: ArealWeightMetaBody, request: Request) -> Response:
+    """AReaL's first step of a distributed update: the tensors the next
+    /areal_update_weights_xccl receives (checked against the model now)."""
+    transfer = pipeline_of(request).control.transfer
+    await transfer.announce(body.names, body.dtypes, body.shapes, body.group_name)
+    return OrjsonResponse({"success": True, "message": _AREAL_RANK_OK})
+
+
+@router.post("/areal_update_weights_xccl", response_model=SuccessMessageResponse)
+async def areal_update_weights_xccl(request: Request) -> Response:
+    """AReaL's second step (its body is ``{}``, and read by nobody): requests in flight end,
+    the announced tensors come over the group and load; a hold from /areal_pause_generation
+    stays until /areal_continue_generation."""
+    await pipeline_of(request).control.transfer.receive_announced()
     return OrjsonResponse({"success": True, "message": _AREAL_RANK_OK})

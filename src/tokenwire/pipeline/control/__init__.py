@@ -29,7 +29,7 @@ from tokenwire.pipeline.control.transfer import WeightTransfer
 from tokenwire.pipeline.control.weights import WeightLifecycle
 from tokenwire.pipeline.errors import InvalidRequest, NotReady
 from tokenwire.pipeline.jobs import JobRegistry
-from tokenwire.protocol.control import TransferUpdateInfo
+from tokenwire.protocol.control import TransferUpdateInfo, UpdateWeightsFromDistributedBody
 from tokenwire.weight_transfer import WeightTransferConfig
 
 _FLUSH_RETRY_S = 0.05  # between two tries of a flush that waits for the engine
@@ -123,22 +123,39 @@ class ControlPlane:
         weight_dir: str | None,
         version: str | None,
         update_info: TransferUpdateInfo | list[TransferUpdateInfo] | None,
+        named: UpdateWeightsFromDistributedBody | None = None,
     ) -> str | None:
         """``/update_weights``: prime-rl's form loads ``weight_dir`` (returns its version);
-        vLLM's receives ``update_info`` over the group (returns None)."""
-        if weight_dir is not None and update_info is not None:
+        vLLM's receives ``update_info`` over the group, skyrl-train's (``named``) receives and
+        loads its tensors at once, as SGLang's ``/update_weights_from_distributed`` (both
+        return None)."""
+        forms = [
+            name
+            for name, given in (
+                ("weight_dir", weight_dir),
+                ("update_info", update_info),
+                ("names", named),
+            )
+            if given is not None
+        ]
+        if len(forms) > 1:
             raise InvalidRequest(
-                "update_info: send weight_dir (prime-rl's form) or update_info (vLLM's), not both",
-                "update_info",
+                f"{forms[-1]}: send one of weight_dir (prime-rl's form), update_info (vLLM's) "
+                f"or names/dtypes/shapes (skyrl-train's), not {' and '.join(forms)}",
+                forms[-1],
             )
         if update_info is not None:
             await self.transfer.update(update_info)
             return None
+        if named is not None:
+            await self.transfer.update_from_distributed(named)
+            return None
         if weight_dir is None:
             raise InvalidRequest(
                 'weight_dir: Field required: /update_weights takes prime-rl\'s {"weight_dir": '
-                '..., "weight_version"?} (a checkpoint directory) or vLLM\'s {"update_info": '
-                "...} (after POST /init_weight_transfer_engine)",
+                '..., "weight_version"?} (a checkpoint directory), vLLM\'s {"update_info": '
+                '...} (after POST /init_weight_transfer_engine) or skyrl-train\'s {"names", '
+                '"dtypes", "shapes"} (after POST /init_weight_update_communicator)',
                 "weight_dir",
             )
         return await self.reload(weight_dir, version)

@@ -9,7 +9,9 @@ the server will not take is refused before a byte is received; since the trainer
 it anyway, the group cannot carry on in step and is closed. With ``lora_name`` an update
 carries one LoRA adapter's factors instead, loaded through the adapter registry at the end;
 so does every update of the next round after ``arm_lora_target`` (SkyRL's receive target, which
-names the adapter out of band, and the factors that share a sent one).
+names the adapter out of band, and the factors that share a sent one). SGLang's one-call
+update receives and loads at once; AReaL's vLLM server splits it in two, the tensors announced
+(``announce``) and then received (``receive_announced``).
 
 The group is this object's; it changes only under the weight lifecycle's lock.
 """
@@ -71,6 +73,14 @@ class StagedAdapter:
 
 
 @dataclass(frozen=True, slots=True)
+class AnnouncedUpdate:
+    """Tensors named for the next ``receive_announced`` (AReaL's weight meta)."""
+
+    tensors: tuple[TensorMeta, ...]
+    group_name: str
+
+
+@dataclass(frozen=True, slots=True)
 class LoraTarget:
     """The adapter the next update round carries when its ``update_info`` names none."""
 
@@ -101,6 +111,8 @@ class WeightTransfer:
         self._previous: tuple[TensorMeta, ...] = ()  # what empty update_info lists repeat
         # Armed for the next round; disarmed at finish, or when the group closes.
         self._target: LoraTarget | None = None
+        # Announced, not yet received; dropped with the group.
+        self._announced: AnnouncedUpdate | None = None
 
     @property
     def timeout_s(self) -> float:
@@ -207,8 +219,10 @@ class WeightTransfer:
         return group is not None and group_name in (None, group.group_name)
 
     async def _leave(self) -> None:
-        """Close the group (the caller holds the lock); an armed round ends with it."""
+        """Close the group (the caller holds the lock); an armed round and announced tensors
+        end with it."""
         self._target = None
+        self._announced = None
         if self._group is not None:
             self._group = None
             await self._engine().leave_weight_group()
@@ -384,32 +398,17 @@ class WeightTransfer:
         the tensors it names; others keep their values), generation paused meanwhile; with
         ``lora_name``, an adapter's factors, loaded in place while generation goes on."""
         if body.names is not None:
-            if body.dtypes is None or body.shapes is None:
-                raise InvalidRequest("names needs dtypes and shapes of the same length", "names")
-            if not len(body.names) == len(body.dtypes) == len(body.shapes):
-                raise InvalidRequest("names, dtypes and shapes must have the same length", "names")
-            metas = _metas(body.names, body.dtypes, body.shapes)
+            metas = _named_metas(body.names, body.dtypes, body.shapes)
         elif body.name is not None and body.dtype is not None and body.shape is not None:
             metas = _metas([body.name], [body.dtype], [body.shape])
         else:
             raise InvalidRequest(
                 "send names, dtypes and shapes (or one name, dtype and shape)", "names"
             )
-        if not metas:
-            raise InvalidRequest("names: no tensors to update", "names")
         if body.abort_all_requests:
             await self._abort_all()
         async with self._weights.locked():
-            if not self._is_open(body.group_name):
-                named = "" if body.group_name is None else f" named {body.group_name!r}"
-                raise InvalidRequest(
-                    f"no weight-transfer group{named} is open: POST /init_weights_update_group "
-                    "first",
-                    "group_name",
-                )
-            if self._weights.update is not None:
-                raise InvalidRequest("a vLLM-style weight update is open; finish it first")
-            update = WeightUpdate(metas)
+            self._require_group(body.group_name)
             if body.lora_name is not None:
                 # No pause: the factors come into new tensors, and the adapter loads between
                 # steps.
@@ -417,12 +416,73 @@ class WeightTransfer:
                 self._adapters.check_name(body.lora_name)
                 config = self._adapters.config_for(body.lora_name, body.lora_config, param)
                 staged = StagedAdapter(body.lora_name, config)
-                staged.tensors.update(await self._receive_factors(update, staged, param))
+                staged.tensors.update(
+                    await self._receive_factors(WeightUpdate(metas), staged, param)
+                )
                 await self._load_adapter(staged, body.weight_version, param)
                 return
-            await self._weights.begin(on_abandon=self._leave)
-            await self._receive_into_model(update, "names")
-            await self._weights.end(body.weight_version)
+            await self._receive_at_once(metas, body.weight_version)
+
+    async def announce(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str
+    ) -> None:
+        """AReaL's ``/areal_set_update_weight_meta``: name the tensors the next
+        ``receive_announced`` takes, in broadcast order (a second announcement replaces the
+        first, as AReaL's worker keeps the last). Checked against the model now: a misfit is
+        refused before the trainer's broadcast, and closes the group, since that broadcast
+        comes anyway."""
+        metas = _named_metas(names, dtypes, shapes)
+        async with self._weights.locked():
+            self._require_group(group_name)
+            try:
+                self._engine().check_weight_update(metas)
+            except WeightsError as exc:
+                await self._refuse(exc, "names")
+            self._announced = AnnouncedUpdate(metas, group_name)
+
+    async def receive_announced(self) -> None:
+        """AReaL's ``/areal_update_weights_xccl`` (body ``{}``): requests in flight end, as
+        AReaL's server pauses without waiting for them, then the announced tensors are received
+        and loaded at once, as ``update_from_distributed``. Each announcement is received
+        once."""
+        if self._announced is None:
+            raise InvalidRequest(
+                "no tensors announced: POST /areal_set_update_weight_meta {names, dtypes, "
+                "shapes, group_name} first",
+                "names",
+            )
+        await self._abort_all()
+        async with self._weights.locked():
+            announced, self._announced = self._announced, None
+            if announced is None:  # the group closed meanwhile
+                raise InvalidRequest(
+                    "the announced tensors were dropped with their group: init it and announce "
+                    "them again",
+                    "group_name",
+                )
+            self._require_group(announced.group_name)
+            await self._receive_at_once(announced.tensors, None)
+
+    def _require_group(self, group_name: str | None) -> None:
+        """A 400 unless ``group_name`` names the open group (None: any), and no vLLM-style
+        update is open (the lock held)."""
+        if not self._is_open(group_name):
+            named = "" if group_name is None else f" named {group_name!r}"
+            raise InvalidRequest(
+                f"no weight-transfer group{named} is open: POST /init_weights_update_group "
+                "first (skyrl-train's vLLM form: /init_weight_update_communicator; AReaL's: "
+                "/areal_init_weights_update_group)",
+                "group_name",
+            )
+        if self._weights.update is not None:
+            raise InvalidRequest("a vLLM-style weight update is open; finish it first")
+
+    async def _receive_at_once(self, metas: tuple[TensorMeta, ...], version: str | None) -> None:
+        """One update of its own (generation paused meanwhile): receive ``metas`` into the
+        model through the engine's one receive path, then end it as sent (lock held)."""
+        await self._weights.begin(on_abandon=self._leave)
+        await self._receive_into_model(WeightUpdate(metas), "names")
+        await self._weights.end(version)
 
     async def update_from_tensor(self, body: UpdateWeightsFromTensorBody) -> None:
         """SGLang's ``/update_weights_from_tensor`` with safetensors entries (never pickles);
@@ -456,6 +516,19 @@ class WeightTransfer:
                 "init_info",
             )
         return self.config
+
+
+def _named_metas(
+    names: list[str], dtypes: list[str] | None, shapes: list[list[int]] | None
+) -> tuple[TensorMeta, ...]:
+    """SGLang's (and AReaL's, skyrl-train's) parallel lists: equal lengths, at least one."""
+    if dtypes is None or shapes is None:
+        raise InvalidRequest("names needs dtypes and shapes of the same length", "names")
+    if not len(names) == len(dtypes) == len(shapes):
+        raise InvalidRequest("names, dtypes and shapes must have the same length", "names")
+    if not names:
+        raise InvalidRequest("names: no tensors to update", "names")
+    return _metas(names, dtypes, shapes)
 
 
 def _metas(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> tuple[TensorMeta, ...]:
