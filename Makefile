@@ -11,9 +11,10 @@ VPY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 # vLLM on CPU needs its device named, and a KV cache size in GiB (else it takes most of the RAM).
 VLLM_ENV := VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1
-# The engine-relevant tests; the others (tokenizer, templates, media, parsers) do not touch it.
+# The engine-relevant tests; the others (tokenizer, templates, media, parsers) do not touch it,
+# nor does the router's (tests/test_router.py: placement and keys, on make test's servers).
 VLLM_TESTS := tests/test_engine_hf.py tests/test_generate.py tests/test_rl_control.py \
-	tests/test_fidelity.py tests/test_openai.py tests/test_router.py tests/test_sglang_batches.py \
+	tests/test_fidelity.py tests/test_openai.py tests/test_sglang_batches.py \
 	tests/test_framework_compat.py tests/test_scoring.py tests/test_lora.py \
 	tests/test_weight_transfer.py tests/test_engine_death.py tests/test_grpo.py
 
@@ -39,8 +40,9 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 # Everything but the model benchmarks' smoke runs (make bench-smoke: their servers take minutes).
+# --durations: CI's log names the slowest tests (the whole CI run must stay under 30 minutes).
 test: lint
-	$(PY) -m pytest -m "not bench_model"
+	$(PY) -m pytest -m "not bench_model" --durations=20
 
 # Every benchmark's --smoke run (tests/test_bench_smoke.py), the model ones included.
 bench-smoke: install
@@ -97,7 +99,7 @@ $(VLLM_STAMP): pyproject.toml
 install-vllm: $(VLLM_STAMP)
 
 test-vllm: install-vllm
-	$(VLLM_ENV) $(VPY) -m pytest --engine vllm $(VLLM_TESTS)
+	$(VLLM_ENV) $(VPY) -m pytest --engine vllm --durations=20 $(VLLM_TESTS)
 
 bench-vllm: install install-vllm
 	$(VLLM_ENV) $(VPY) bench/bench_vs_vllm.py
@@ -126,4 +128,4 @@ $(FRAMEWORKS_STAMP): pyproject.toml
 install-frameworks: $(FRAMEWORKS_STAMP)
 
 test-frameworks: install-frameworks
-	$(FPY) -m pytest tests/frameworks
+	$(FPY) -m pytest --durations=10 tests/frameworks
