@@ -19,7 +19,7 @@ from tokenwire.engine.base import SamplingParams
 from tokenwire.engine.hf import HFEngine
 from tokenwire.engine.hf.handoff import NewWeights, Reply, Request, Sink
 from tokenwire.engine.hf.runner import ModelRunner
-from tokenwire.engine.hf.scheduler import Scheduler
+from tokenwire.engine.hf.scheduler import SHORT_FIRST_WEIGHT, Scheduler
 
 pytestmark = [pytest.mark.hf_only, pytest.mark.model]
 
@@ -231,12 +231,12 @@ def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones(
     tiny_runner: ModelRunner, loop: asyncio.AbstractEventLoop
 ) -> None:
     """Shortest first ages: a new 20-token prompt every step passes a waiting 256-token one only
-    while it would finish its prefill sooner (arrival + length on the prefill clock), so the long
-    one goes after about 256 / 20 of them, and keeps going until it is done."""
+    while it ranks lower (arrival on the prefill clock + SHORT_FIRST_WEIGHT x length), so the
+    long one goes after a bounded number of them, and keeps going until it is done."""
     scheduler = scripted(tiny_runner)
     long = admit(scheduler, loop, "long", 256, 1)
     passed = 0
-    for n in range(40):
+    for n in range(40 * SHORT_FIRST_WEIGHT):
         admit(scheduler, loop, f"short-{n}", 20, 1)
         step(scheduler)
         if long.output:
@@ -244,7 +244,8 @@ def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones(
         if long.progress is None:
             passed += 1
     assert long.finish == "length"
-    assert passed == 256 // 20  # shorts admitted at clock c rank c + 20 < 256
+    # the n-th short, admitted at clock 20 n, ranks 20 n + 20 w: below the long one's 256 w
+    assert passed == math.ceil((256 - 20) * SHORT_FIRST_WEIGHT / 20)
     assert n == passed + 256 // 64 - 1  # then its four chunks, no short in between
 
 
