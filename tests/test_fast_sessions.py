@@ -366,14 +366,21 @@ def test_a_session_is_its_keys(app: FastApp, tmp_path: Path) -> None:
     assert app.client.delete("/v1/sessions/mine").json() == {"id": "mine", "deleted": True}
 
 
-def test_eight_turns_of_one_session_at_once(app: FastApp) -> None:
-    """All eight prompts are built before any is recorded: one extends the head, the seven
-    recorded after it each stand in a segment of their own; none is lost, none a 5xx."""
+def second_turn_behind_a_gate(app: FastApp, session_id: str) -> tuple[list[dict], Gate]:
+    """``session_id``'s first turn recorded; the second turn's history, and the gate the engine
+    waits at before answering it."""
     answer_fine(app)
-    assert chat_turn(app, "eight", HELLO).status_code == 200
+    assert chat_turn(app, session_id, HELLO).status_code == 200
     history = [*HELLO, {"role": "assistant", "content": FINE}, {"role": "user", "content": "?"}]
     gate = Gate()
     answer_fine(app, gate)
+    return history, gate
+
+
+def test_eight_turns_of_one_session_at_once(app: FastApp) -> None:
+    """All eight prompts are built before any is recorded: one extends the head, the seven
+    recorded after it each stand in a segment of their own; none is lost, none a 5xx."""
+    history, gate = second_turn_behind_a_gate(app, "eight")
     with ThreadPoolExecutor(8) as pool:
         turns = [pool.submit(chat_turn, app, "eight", history) for _ in range(8)]
         app.wait_until(lambda: len(app.engine.live) == 8)
@@ -390,11 +397,7 @@ def test_eight_turns_of_one_session_at_once(app: FastApp) -> None:
 
 
 def test_a_session_deleted_mid_turn(app: FastApp) -> None:
-    answer_fine(app)
-    assert chat_turn(app, "gone", HELLO).status_code == 200
-    history = [*HELLO, {"role": "assistant", "content": FINE}, {"role": "user", "content": "?"}]
-    gate = Gate()
-    answer_fine(app, gate)
+    history, gate = second_turn_behind_a_gate(app, "gone")
     with ThreadPoolExecutor(1) as pool:
         turn = pool.submit(chat_turn, app, "gone", history)
         gate.wait_reached()
