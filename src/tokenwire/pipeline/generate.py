@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from tokenwire.engine.base import LogprobsMode, SamplingParams, SamplingSupport
+from tokenwire.engine.base import Grammar, LogprobsMode, SamplingParams, SamplingSupport
 from tokenwire.pipeline.choice import Choice, ChoiceDelta, ChoiceRequest, engine_request_id
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.decoder import PLAIN, ChoiceDecoder, ChoiceStep, DecodeOptions, Parsing
@@ -23,9 +23,10 @@ from tokenwire.pipeline.parsing import chat_parsing
 from tokenwire.pipeline.response_json import usage_json
 from tokenwire.pipeline.validation import ValidPrompt, valid_prompt
 from tokenwire.protocol.generate import GenerateRequest, SamplingParamsModel
+from tokenwire.structured.grammar import GrammarError
 
 
-def start_job(
+async def start_job(
     pipeline: Pipeline,
     runtime: ModelRuntime,
     request_id: str,
@@ -41,13 +42,15 @@ def start_job(
     ``parsing``: how the route reads the choices' text (None: it reads none; stop strings are
     still found, by a decoder made for them alone). ``adapter``: the LoRA adapter the request
     names (``adapter_param`` names the field), None for the base model; the job holds its
-    current version until it ends.
+    current version until it ends. A structured-output constraint is compiled first (a 400
+    when it cannot be), before the request is admitted.
     """
+    grammars = [await request_grammar(runtime, prompt.sampling) for prompt in prompts]
     control = pipeline.control
     control.admit()
     version = None if adapter is None else control.adapters.acquire(adapter, adapter_param)
     choices: list[Choice] = []
-    for prompt_index, prompt in enumerate(prompts):
+    for prompt_index, (prompt, grammar) in enumerate(zip(prompts, grammars, strict=True)):
         params = prompt.sampling
         options = DecodeOptions.of(params)
         for sample in range(params.n):
@@ -59,6 +62,7 @@ def start_job(
                     sample,
                     sampling_mask=prompt.sampling_mask,
                     logprobs_mode=pipeline.config.logprobs_mode,
+                    grammar=grammar,
                 ),
                 prompt.media,
                 prompt.prompt_only,
@@ -91,12 +95,33 @@ def start_job(
     return job
 
 
+async def request_grammar(runtime: ModelRuntime, params: SamplingParamsModel) -> Grammar | None:
+    """The compiled structured-output constraint of ``params`` (None: free text); a 400 naming
+    the field when the engine cannot enforce one or the grammar engine refuses it."""
+    try:
+        constraint = params.constraint
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), params.constraint_source) from exc
+    if constraint is None:
+        return None
+    source = params.constraint_source
+    if "structured_outputs" not in runtime.engine.features or runtime.grammars is None:
+        raise InvalidRequest(
+            f"{source}: structured outputs are not supported by this server's engine", source
+        )
+    try:
+        return await runtime.grammars.compile(constraint)
+    except GrammarError as exc:
+        raise InvalidRequest(f"{source}: {exc}", source) from exc
+
+
 def engine_sampling(
     params: SamplingParamsModel,
     sample: int,
     *,
     sampling_mask: bool = False,
     logprobs_mode: LogprobsMode = "raw_logprobs",
+    grammar: Grammar | None = None,
 ) -> SamplingParams:
     """The engine's view of one choice; choice i > 0 of a seeded request uses seed + i.
     ``logprobs_mode``: the server's, for a request that names none."""
@@ -126,6 +151,7 @@ def engine_sampling(
         prompt_logprob_start=params.prompt_logprob_start or 0,
         logprob_token_ids=tuple(params.logprob_token_ids) if params.logprob_token_ids else None,
         sampling_mask=sampling_mask,
+        grammar=grammar,
     )
 
 
@@ -296,7 +322,7 @@ async def start_generation(
         parsing = PLAIN
     elif body.output_mode == "derender":
         parsing = await chat_parsing(pipeline, runtime, body.parse_context, prompt_ids)
-    job = start_job(
+    job = await start_job(
         pipeline,
         runtime,
         request_id,

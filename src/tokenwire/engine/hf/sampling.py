@@ -13,6 +13,12 @@ CDF in vocabulary order.
 
 Why one uniform per step from a per-request ``torch.Generator``: the draw for a request's n-th
 token depends only on its seed, so a seeded request is reproducible whatever else is in the batch.
+
+Structured outputs: a row with a grammar (``SamplingParams.grammar``) has every id its grammar
+state does not allow set to -inf after penalties and min_tokens (if those left nothing the
+grammar allows, the grammar alone decides), before greedy or temperature; other rows are never
+touched, so they and seeded rows sample exactly as without it. The raw logprobs stay the
+model's (vLLM's default); "processed_logprobs" and sampling supports see the masked row.
 """
 
 from __future__ import annotations
@@ -21,10 +27,12 @@ import math
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tokenwire.engine.base import (
     GREEDY_TEMPERATURE,
+    GrammarState,
     SamplingParams,
     SamplingSupport,
     TokenLogprob,
@@ -51,6 +59,7 @@ class RowSampler:
     seen: set[int] | None = None  # prompt + output ids (repetition penalty)
     counts: dict[int, int] | None = None  # output id counts (frequency/presence)
     num_output: int = 0
+    grammar: GrammarState | None = None  # the request's one grammar state (structured outputs)
     _seen_ids: torch.Tensor | None = None
     _count_ids: torch.Tensor | None = None
     _count_vals: torch.Tensor | None = None
@@ -71,11 +80,19 @@ class RowSampler:
         seen = set(prompt_ids) if params.repetition_penalty != 1.0 else None
         penalized = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
         stops = tuple(i for i in stop_ids if 0 <= i < vocab_size)
-        return cls(params, stops, gen, vocab_size, device, seen, {} if penalized else None)
+        grammar = params.grammar.new_state() if params.grammar is not None else None
+        return cls(
+            params, stops, gen, vocab_size, device, seen, {} if penalized else None, 0, grammar
+        )
 
     @property
     def greedy(self) -> bool:
         return self.params.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def suppressing(self) -> bool:
+        """min_tokens still holds back the stop ids."""
+        return self.num_output < self.params.min_tokens and bool(self.stop_ids)
 
     @property
     def needs_processing(self) -> bool:
@@ -87,8 +104,10 @@ class RowSampler:
         )
 
     def record(self, token_id: int) -> None:
-        """Account for a sampled token (penalty state, min_tokens)."""
+        """Account for a sampled token (penalty state, min_tokens, the grammar's position)."""
         self.num_output += 1
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if self.seen is not None and token_id not in self.seen:
             self.seen.add(token_id)
             self._seen_ids = None
@@ -140,6 +159,13 @@ def sample(logits: torch.Tensor, rows: list[RowSampler]) -> SampleResult:
             if r.needs_processing:
                 r.apply_penalties(processed[i])
         processed = finite(processed)
+    # Each constrained row's grammar as an additive bias (0 allowed, -inf not); others: none.
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    allowed: dict[int, torch.Tensor] = {}
+    if constrained:
+        words = np.stack([rows[i].grammar.bitmask() for i in constrained])  # type: ignore[union-attr]
+        biases = mask_bias(torch.from_numpy(words).to(device), logits.shape[-1])
+        allowed = dict(zip(constrained, biases, strict=True))
 
     tokens = torch.empty(b, dtype=torch.long, device=device)
     # Per-row distribution that "processed_logprobs" reports; filled only where requested.
@@ -156,12 +182,18 @@ def sample(logits: torch.Tensor, rows: list[RowSampler]) -> SampleResult:
         gi = torch.tensor(greedy, device=device)
         tokens[gi] = processed[gi].argmax(dim=-1)
         for i in greedy:
+            row = processed[i]
+            if i in allowed:
+                row = _constrain(row, allowed[i], finite(logits[i]), rows[i].suppressing)
+                tokens[i] = row.argmax()
             if wants_processed[i]:
-                final[i] = processed[i]
+                final[i] = row
 
     sampled = [i for i, r in enumerate(rows) if not r.greedy]
     if sampled:
-        _sample_rows(processed, rows, sampled, tokens, final, wants_processed, supports)
+        _sample_rows(
+            processed, rows, sampled, tokens, final, wants_processed, supports, allowed, logits
+        )
 
     token_list = tokens.tolist()
     result = SampleResult(token_ids=token_list, logprobs=[None] * b, supports=[None] * b)
@@ -219,8 +251,11 @@ def _sample_rows(
     final: dict[int, torch.Tensor],
     wants_processed: list[bool],
     supports: dict[int, SamplingSupport],
+    allowed: dict[int, torch.Tensor],
+    raw: torch.Tensor,
 ) -> None:
-    """Temperature, min_p, top_k, top_p and the draw for the non-greedy rows ``idx``."""
+    """Temperature, the grammar masks (``allowed``, by batch row), min_p, top_k, top_p and the
+    draw for the non-greedy rows ``idx``."""
     device = processed.device
     vocab = processed.shape[-1]
     params = [rows[i].params for i in idx]
@@ -232,6 +267,11 @@ def _sample_rows(
     dead = (~torch.isfinite(scaled).any(dim=-1)).nonzero().flatten().tolist()
     for r in dead:
         scaled[r] = finite(processed[idx[r]].nan_to_num(nan=0.0))
+    for j, i in enumerate(idx):
+        if i in allowed:
+            scaled[j] = _constrain(
+                scaled[j], allowed[i], finite(raw[i] / temp[j]), rows[i].suppressing
+            )
     ctx = _Scaled(
         logits=scaled,
         u=torch.tensor(draws, dtype=torch.float64, device=device),
@@ -256,6 +296,31 @@ def _sample_rows(
         pending = _sample_candidates(ctx, pending, min(tier, vocab))
     if pending:
         _sample_candidates(ctx, pending, vocab)
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+_NEG_INF_BITS = -8388608  # 0xFF800000: float32 -inf as an int32
+
+
+def mask_bias(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Grammar bitmasks [C, ceil(V / 32)] int32 as additive biases [C, V] float32: 0.0 where
+    the bit is set, -inf where not. Integer ops then a bit-level view: a bool ``masked_fill``
+    over the vocabulary cost several times more on CPU (bench/bench_structured.py)."""
+    bits = (words.unsqueeze(-1) >> _SHIFTS.to(words.device)) & 1
+    bias = ((bits - 1) & _NEG_INF_BITS).view(torch.float32)
+    return bias.reshape(words.shape[0], -1)[:, :vocab]
+
+
+def _constrain(
+    row: torch.Tensor, bias: torch.Tensor, fallback: torch.Tensor, suppressing: bool
+) -> torch.Tensor:
+    """``row`` with its grammar's ``bias`` added (-inf on the ids it does not allow). When
+    min_tokens is suppressing stop ids and that left nothing, ``fallback`` (the row without
+    the suppression) gets the bias instead: the grammar wins."""
+    out = row + bias
+    if suppressing and not bool(torch.isfinite(out).any()):
+        out = fallback + bias
+    return out
 
 
 def finite(logits: torch.Tensor) -> torch.Tensor:
