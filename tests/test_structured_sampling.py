@@ -139,3 +139,34 @@ def test_sampling_supports_are_inside_the_mask() -> None:
     assert sampled is not None and set(sampled.token_ids) == set(ALLOWED)
     greedy = got.supports[1]
     assert greedy is not None and greedy.token_ids == (got.token_ids[1],)
+
+
+class DenseState(FixedState):
+    """Allows every id but the first 2000: past the sparse path, so a bias is added."""
+
+    def bitmask(self) -> np.ndarray:
+        mask = np.ones(-(-VOCAB // 32) * 32, dtype=np.bool_)
+        mask[:2000] = False
+        return np.packbits(mask, bitorder="little").view(np.int32)
+
+
+class DenseGrammar(FixedGrammar):
+    def new_state(self) -> DenseState:
+        return DenseState()
+
+
+def test_dense_masks_add_a_bias(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("tokenwire.engine.hf.sampling.SPARSE_MASK_IDS", 100)
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(8)) * 3.0
+    logits[:, 7] = 40.0  # the free favourite, not allowed
+    params = [
+        SamplingParams(max_tokens=1, temperature=t, logprobs=0, grammar=DenseGrammar(), **kw)
+        for t, kw in ((0.0, {}), (1.0, {}), (0.8, {"top_k": 20}))
+    ]
+    params = [dataclasses.replace(p, logprobs_mode="processed_logprobs") for p in params]
+    got = sample(logits, _rows(params))
+    assert all(t >= 2000 for t in got.token_ids)
+    for j, (token, entry) in enumerate(zip(got.token_ids, got.logprobs, strict=True)):
+        assert entry is not None and math.isfinite(entry.logprob)
+        if j == 0:
+            assert token == int(logits[0, 2000:].argmax()) + 2000
