@@ -44,9 +44,15 @@ CACHE_SIZE = 256
 JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
 
 
+MAX_ERROR_CHARS = 500  # llguidance's messages can carry a dump of its parser state
+
+
 class GrammarError(ValueError):
     """A constraint llguidance refuses (invalid schema, regex or grammar, a compile past the
     time cap); the message says why."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message[:MAX_ERROR_CHARS])
 
 
 def _no_additional_properties(schema: Any) -> Any:
