@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,7 +180,8 @@ def sample(logits: torch.Tensor, rows: list[RowSampler]) -> SampleResult:
         for i in greedy:
             row = processed[i]
             if i in allowed:
-                row = _constrain(row, allowed[i], finite(logits[i]), rows[i].suppressing)
+                fallback = (lambda i=i: finite(logits[i])) if rows[i].suppressing else None
+                row = _constrain(row, allowed[i], fallback)
                 tokens[i] = row.argmax()
             if wants_processed[i]:
                 final[i] = row
@@ -264,9 +266,8 @@ def _sample_rows(
         scaled[r] = finite(processed[idx[r]].nan_to_num(nan=0.0))
     for j, i in enumerate(idx):
         if i in allowed:
-            scaled[j] = _constrain(
-                scaled[j], allowed[i], finite(raw[i] / temp[j]), rows[i].suppressing
-            )
+            fallback = (lambda i=i, j=j: finite(raw[i] / temp[j])) if rows[i].suppressing else None
+            scaled[j] = _constrain(scaled[j], allowed[i], fallback)
     ctx = _Scaled(
         logits=scaled,
         u=torch.tensor(draws, dtype=torch.float64, device=device),
@@ -330,15 +331,14 @@ def mask_bias(words: np.ndarray, vocab: int) -> torch.Tensor:
 
 
 def _constrain(
-    row: torch.Tensor, bias: torch.Tensor, fallback: torch.Tensor, suppressing: bool
+    row: torch.Tensor, bias: torch.Tensor, fallback: Callable[[], torch.Tensor] | None
 ) -> torch.Tensor:
     """``row`` under its grammar's mask (``_grammar_masks``: -inf on the ids it does not
-    allow). When
-    min_tokens is suppressing stop ids and that left nothing, ``fallback`` (the row without
-    the suppression) gets the bias instead: the grammar wins."""
+    allow). ``fallback`` (given only while min_tokens suppresses stop ids) makes the row
+    without the suppression, masked instead when the mask left nothing: the grammar wins."""
     out = _masked(row, bias)
-    if suppressing and not bool(torch.isfinite(out).any()):
-        out = _masked(fallback, bias)
+    if fallback is not None and not bool(torch.isfinite(out).any()):
+        out = _masked(fallback(), bias)
     return out
 
 
