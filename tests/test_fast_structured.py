@@ -222,3 +222,148 @@ def test_anthropic_output_format(fast_qwen3: FastApp) -> None:
     bad = {**body, "output_format": {"type": "json_schema", "schema": {"type": "nope"}}}
     error = post(fast_qwen3, "/v1/messages", bad, 400)["error"]
     assert "output_format" in error["message"]
+
+
+# Forced tool choice: a grammar over the hermes parser's call format (qwen3 template).
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+TOOLS = [WEATHER_TOOL, ADD_TOOL]
+WEATHER_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+ADD_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+TWO_CALLS = f"{WEATHER_CALL}\n{ADD_CALL}"
+THOUGHT = "<think>\nThe user wants weather.\n</think>\n\n"
+
+
+def forced(fast: FastApp, answer: str = WEATHER_CALL, **fields: Any) -> Any:
+    scripted(fast, answer)
+    body = {"messages": HELLO, "max_tokens": 64, "tools": TOOLS, **fields}
+    return post(fast, "/v1/chat/completions", body)
+
+
+def test_tool_choice_required_forces_calls_in_the_parsers_format(fast_qwen3: FastApp) -> None:
+    answer = forced(fast_qwen3, tool_choice="required")
+    grammar = last_grammar(fast_qwen3)
+    for text in (WEATHER_CALL, TWO_CALLS, THOUGHT + ADD_CALL):
+        assert accepts(fast_qwen3, grammar, text), text
+    for text in ("Sure, calling it.", "", '{"name": "add", "arguments": {"a": 1, "b": 2}}'):
+        assert not accepts(fast_qwen3, grammar, text), text
+    assert not accepts(fast_qwen3, grammar, WEATHER_CALL.replace('"Paris"', "3"))  # schema
+    assert not accepts(fast_qwen3, grammar, WEATHER_CALL.replace("get_weather", "rm_rf"))
+    # The tags are their single tokens: the call cannot be spelled in pieces.
+    state = grammar.new_state()  # type: ignore[union-attr]
+    assert state.allowed().sum() == 2  # <tool_call> or <think>
+    assert answer["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert answer["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_named_tool_and_parallel_calls_off(fast_qwen3: FastApp) -> None:
+    named = {"type": "function", "function": {"name": "add"}}
+    forced(fast_qwen3, ADD_CALL, tool_choice=named)
+    grammar = last_grammar(fast_qwen3)
+    assert accepts(fast_qwen3, grammar, ADD_CALL) and accepts(
+        fast_qwen3, grammar, f"{ADD_CALL}\n{ADD_CALL}"
+    )
+    assert not accepts(fast_qwen3, grammar, WEATHER_CALL)
+    forced(fast_qwen3, tool_choice="required", parallel_tool_calls=False)
+    grammar = last_grammar(fast_qwen3)
+    assert accepts(fast_qwen3, grammar, WEATHER_CALL) and not accepts(
+        fast_qwen3, grammar, TWO_CALLS
+    )
+    # auto with parallel calls off: text, or text then one call, never two calls.
+    forced(fast_qwen3, "Hi!", tool_choice="auto", parallel_tool_calls=False)
+    grammar = last_grammar(fast_qwen3)
+    for text in ("Hi!", f"Let me check.\n{WEATHER_CALL}", WEATHER_CALL):
+        assert accepts(fast_qwen3, grammar, text), text
+    assert not accepts(fast_qwen3, grammar, TWO_CALLS)
+    # auto with parallel calls on, and none: nothing to enforce.
+    assert forced(fast_qwen3, "Hi!", tool_choice="auto") and last_grammar(fast_qwen3) is None
+    assert forced(fast_qwen3, "Hi!", tool_choice="none") and last_grammar(fast_qwen3) is None
+
+
+def test_anthropic_any_tool_and_disable_parallel(fast_qwen3: FastApp) -> None:
+    tools = [
+        {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS
+    ]
+    base = {"model": "qwen3-tiny", "max_tokens": 64, "messages": HELLO, "tools": tools}
+    scripted(fast_qwen3, WEATHER_CALL)
+    answer = post(fast_qwen3, "/v1/messages", {**base, "tool_choice": {"type": "any"}})
+    assert answer["stop_reason"] == "tool_use"
+    assert accepts(fast_qwen3, last_grammar(fast_qwen3), TWO_CALLS)
+    choice = {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
+    post(fast_qwen3, "/v1/messages", {**base, "tool_choice": choice})
+    grammar = last_grammar(fast_qwen3)
+    assert accepts(fast_qwen3, grammar, WEATHER_CALL)
+    assert not accepts(fast_qwen3, grammar, f"{WEATHER_CALL}\n{WEATHER_CALL}")
+    assert not accepts(fast_qwen3, grammar, ADD_CALL)
+
+
+def test_responses_tool_choice_required(fast_qwen3: FastApp) -> None:
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    scripted(fast_qwen3, ADD_CALL)
+    body = {"model": "qwen3-tiny", "input": "1+2?", "tools": tools, "tool_choice": "required"}
+    answer = post(fast_qwen3, "/v1/responses", body)
+    assert answer["output"][-1]["type"] == "function_call"
+    assert accepts(fast_qwen3, last_grammar(fast_qwen3), ADD_CALL)
+    assert not accepts(fast_qwen3, last_grammar(fast_qwen3), "3")
+
+
+def test_reasoning_comes_before_the_constraint(fast_qwen3: FastApp) -> None:
+    """With the qwen3 reasoning parser the model may think first (vLLM starts the grammar at
+    the end of reasoning too); a prompt that closed the block leaves no reasoning."""
+    grammar = chat(fast_qwen3, response_format={"type": "json_object"})
+    assert accepts(fast_qwen3, grammar, "<think>\nhm\n</think>\n\n" + GOOD)
+    assert accepts(fast_qwen3, grammar, GOOD)
+    assert not accepts(fast_qwen3, grammar, "hm\n</think>\n\n" + GOOD)
+    # enable_thinking false: the prompt ends with a closed block, reasoning is over.
+    off = {"enable_thinking": False}
+    grammar = chat(fast_qwen3, response_format={"type": "json_object"}, chat_template_kwargs=off)
+    assert accepts(fast_qwen3, grammar, GOOD)
+    assert not accepts(fast_qwen3, grammar, "<think>\nhm\n</think>\n\n" + GOOD)
+    # A request's own grammar is taken as written.
+    grammar = chat(fast_qwen3, structured_outputs={"grammar": 'start: "a"'})
+    assert not accepts(fast_qwen3, grammar, "<think>\nhm\n</think>\n\na")
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
+        ({"tool_choice": {"type": "function", "function": {}}}, "tool_choice.function.name"),
+        (
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice and response_format",
+        ),
+    ],
+)
+def test_tool_choice_refusals(fast_qwen3: FastApp, fields: dict[str, Any], named: str) -> None:
+    before = len(fast_qwen3.engine.calls)
+    body = {"messages": HELLO, "max_tokens": 8, "tools": TOOLS, **fields}
+    error = post(fast_qwen3, "/v1/chat/completions", body, status=400)["error"]
+    assert named in error["message"], error
+    assert len(fast_qwen3.engine.calls) == before
+
+
+def test_forcing_a_call_needs_a_tool_parser(fast_smollm2: FastApp) -> None:
+    body = {"messages": HELLO, "max_tokens": 8, "tools": TOOLS, "tool_choice": "required"}
+    error = post(fast_smollm2, "/v1/chat/completions", body, status=400)["error"]
+    assert "--tool-call-parser" in error["message"]

@@ -95,6 +95,8 @@ def chat_request(
             fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
         else:
             fields["tool_choice"] = _TOOL_CHOICES[choice.type]
+        if choice.disable_parallel_tool_use:
+            fields["parallel_tool_calls"] = False
     if body.thinking is not None and body.thinking.type != "adaptive":
         # Qwen3-style templates switch reasoning with ``enable_thinking``; others ignore it.
         fields["chat_template_kwargs"] = {"enable_thinking": body.thinking.type == "enabled"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from tokenwire.engine.base import Grammar, LogprobsMode, SamplingParams, SamplingSupport
@@ -19,7 +20,7 @@ from tokenwire.pipeline.logprobs import (
     prompt_token_id_logprobs_json,
     token_logprobs_json,
 )
-from tokenwire.pipeline.parsing import chat_parsing
+from tokenwire.pipeline.parsing import chat_parsing, reasoning_before_output
 from tokenwire.pipeline.response_json import usage_json
 from tokenwire.pipeline.validation import ValidPrompt, valid_prompt
 from tokenwire.protocol.generate import GenerateRequest, SamplingParamsModel
@@ -45,7 +46,7 @@ async def start_job(
     current version until it ends. A structured-output constraint is compiled first (a 400
     when it cannot be), before the request is admitted.
     """
-    grammars = [await request_grammar(runtime, prompt.sampling) for prompt in prompts]
+    grammars = [await request_grammar(pipeline, runtime, prompt, parsing) for prompt in prompts]
     control = pipeline.control
     control.admit()
     version = None if adapter is None else control.adapters.acquire(adapter, adapter_param)
@@ -95,22 +96,42 @@ async def start_job(
     return job
 
 
-async def request_grammar(runtime: ModelRuntime, params: SamplingParamsModel) -> Grammar | None:
-    """The compiled structured-output constraint of ``params`` (None: free text); a 400 naming
+async def request_grammar(
+    pipeline: Pipeline, runtime: ModelRuntime, prompt: ValidPrompt, parsing: Parsing | None
+) -> Grammar | None:
+    """The compiled output constraint of a prompt (None: free text): its structured outputs,
+    or what its tool choice forces (``parsing.forced_tools``). With a reasoning parser on, the
+    constraint starts after the model's reasoning, on every route (vLLM's rule). A 400 naming
     the field when the engine cannot enforce one or the grammar engine refuses it."""
+    params = prompt.sampling
+    source = params.constraint_source
     try:
         constraint = params.constraint
     except ValueError as exc:
-        raise InvalidRequest(str(exc), params.constraint_source) from exc
+        raise InvalidRequest(str(exc), source) from exc
+    forced = parsing.forced_tools if parsing is not None else None
+    if forced is not None:
+        if constraint is not None:
+            raise InvalidRequest(
+                f"tool_choice and {source} both constrain the output: set one", "tool_choice"
+            )
+        constraint, source = forced, "tool_choice"
     if constraint is None:
         return None
-    source = params.constraint_source
-    if "structured_outputs" not in runtime.engine.features or runtime.grammars is None:
+    grammars = runtime.grammars
+    if "structured_outputs" not in runtime.engine.features or grammars is None:
         raise InvalidRequest(
             f"{source}: structured outputs are not supported by this server's engine", source
         )
+    if (
+        pipeline.config.reasoning_parser is not None
+        and constraint.kind != "grammar"
+        and grammars.has_think_tokens
+    ):
+        reasoning = reasoning_before_output(runtime, prompt.token_ids)
+        constraint = replace(constraint, reasoning=reasoning)
     try:
-        return await runtime.grammars.compile(constraint)
+        return await grammars.compile(constraint)
     except GrammarError as exc:
         raise InvalidRequest(f"{source}: {exc}", source) from exc
 

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from tokenwire.structured.spec import Constraint
+from tokenwire.structured.tool_choice import tool_calls_lark
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +69,34 @@ def _no_additional_properties(schema: Any) -> Any:
     return out
 
 
-def grammar_text(constraint: Constraint) -> str:
-    """The llguidance grammar (its JSON form) of ``constraint``."""
+def grammar_text(constraint: Constraint, added_tokens: frozenset[str] = frozenset()) -> str:
+    """The llguidance grammar (its JSON form) of ``constraint``, after the model's reasoning
+    where ``constraint.reasoning`` says so. ``added_tokens``: the tokenizer's added tokens
+    (tags among them are matched as their single tokens)."""
+    body = _body_text(constraint, added_tokens)
+    if constraint.reasoning == "none":
+        return body
+    # The body becomes a subgrammar behind a reasoning block. The think tags are matched as
+    # their single tokens (the server only asks for this where the tokenizer has them), so
+    # the free text inside cannot end the block by spelling a tag in pieces.
+    # llguidance's grammar texts are its JSON form, or Lark as is.
+    sub = json.loads(body)["grammars"][0] if body.startswith("{") else {"lark_grammar": body}
+    sub["name"] = "body"
+    block = (
+        "THINK </think> GAP" if constraint.reasoning == "open" else "(<think> THINK </think> GAP)?"
+    )
+    lark = f"start: {block} @body\nTHINK: /(?s:.*)/\nGAP: /[ \\t\\n]*/"
+    return json.dumps({"grammars": [{"lark_grammar": lark}, sub]})
+
+
+def _json_options(constraint: Constraint) -> dict[str, Any]:
+    options: dict[str, Any] = {"whitespace_flexible": constraint.any_whitespace}
+    if constraint.any_whitespace:
+        options["whitespace_pattern"] = constraint.whitespace_pattern or JSON_WHITESPACE
+    return options
+
+
+def _body_text(constraint: Constraint, added_tokens: frozenset[str]) -> str:
     import llguidance
 
     matcher = llguidance.LLMatcher
@@ -77,11 +104,8 @@ def grammar_text(constraint: Constraint) -> str:
         schema = json.loads(constraint.value)
         if not constraint.additional_properties:
             schema = _no_additional_properties(schema)
-        options: dict[str, Any] = {"whitespace_flexible": constraint.any_whitespace}
-        if constraint.any_whitespace:
-            options["whitespace_pattern"] = constraint.whitespace_pattern or JSON_WHITESPACE
         try:
-            return matcher.grammar_from_json_schema(schema, defaults=options)  # type: ignore[arg-type]
+            return matcher.grammar_from_json_schema(schema, defaults=_json_options(constraint))  # type: ignore[arg-type]
         except (ValueError, TypeError) as exc:
             raise GrammarError(f"invalid JSON schema: {exc}") from None
     if constraint.kind == "regex":
@@ -89,6 +113,10 @@ def grammar_text(constraint: Constraint) -> str:
     if constraint.kind == "choice":
         choices = json.loads(constraint.value)
         return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    if constraint.kind == "tool_calls":
+        return matcher.grammar_from_lark(
+            tool_calls_lark(constraint.value, _json_options(constraint), added_tokens)
+        )
     try:  # Lark (llguidance's dialect) or GBNF / EBNF (llama.cpp's, xgrammar's): converted
         return llguidance.grammar_from("grammar", constraint.value)
     except (ValueError, TypeError, KeyError) as exc:
@@ -182,6 +210,14 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenwire-grammar")
         self._lock = threading.Lock()
         self._ll_tokenizer: Any = None
+        # Tags the grammars match as their single tokens where the tokenizer has them.
+        self.added_tokens = frozenset(hf_tokenizer.get_added_vocab())
+
+    @property
+    def has_think_tokens(self) -> bool:
+        """Whether a constraint can start after reasoning (``Constraint.reasoning``): the
+        think tags are single tokens here."""
+        return {"<think>", "</think>"} <= self.added_tokens
 
     def tokenizer(self) -> Any:
         """llguidance's view of the tokenizer, built on first use (about a second)."""
@@ -198,7 +234,7 @@ class GrammarCompiler:
 
         tok = self.tokenizer()
         try:
-            text = grammar_text(constraint)
+            text = grammar_text(constraint, self.added_tokens)
             error = llguidance.LLMatcher.validate_grammar(text, tok)
         except (ValueError, TypeError, RuntimeError) as exc:
             raise GrammarError(str(exc)) from None

@@ -15,7 +15,10 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-ConstraintKind = Literal["json", "regex", "choice", "grammar"]
+ConstraintKind = Literal["json", "regex", "choice", "grammar", "tool_calls"]
+# Reasoning before the constrained output (a reasoning parser is on): none; an optional
+# ``<think>...</think>`` block the model may open; or the rest of one the prompt opened.
+Reasoning = Literal["none", "optional", "open"]
 # What a schema, regex or grammar may weigh as text: bigger ones are refused before compiling.
 MAX_CONSTRAINT_BYTES = 256 * 1024
 MAX_CHOICES = 1024
@@ -36,15 +39,19 @@ FORMAT_TYPES = ("text", "json_object", "json_schema")
 @dataclass(frozen=True, slots=True)
 class Constraint:
     """What a request's output must match. ``value``: the JSON schema as canonical JSON text
-    (``json``), the regex or grammar text, or the choices as a JSON list (``choice``).
-    ``any_whitespace``: JSON may carry any whitespace between tokens (vLLM's default), else
-    compact separators only. Equal constraints compile once (``key``)."""
+    (``json``), the regex or grammar text, the choices as a JSON list (``choice``), or the
+    forced tool calls (``tool_calls``, ``structured.tool_choice``). ``any_whitespace``: JSON may
+    carry any whitespace between tokens (vLLM's default), else compact separators only.
+    ``reasoning``: the constraint starts after the model's reasoning, as vLLM's does with a
+    reasoning parser (a request's own ``grammar`` is taken as written: always "none"). Equal
+    constraints compile once (``key``)."""
 
     kind: ConstraintKind
     value: str
     any_whitespace: bool = True
     additional_properties: bool = True
     whitespace_pattern: str | None = None
+    reasoning: Reasoning = "none"
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -54,6 +61,7 @@ class Constraint:
             self.any_whitespace,
             self.additional_properties,
             self.whitespace_pattern,
+            self.reasoning,
         )
 
 
