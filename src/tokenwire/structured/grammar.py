@@ -126,10 +126,8 @@ def _body_text(constraint: Constraint, added_tokens: frozenset[str]) -> str:
 class CompiledGrammar:
     """A compiled constraint: shared by every request with an equal one, never mutated."""
 
-    def __init__(
-        self, constraint: Constraint, prototype: Any, vocab_size: int, eos: int, ends: Any
-    ) -> None:
-        self.constraint = constraint
+    def __init__(self, text: str, prototype: Any, vocab_size: int, eos: int, ends: Any) -> None:
+        self.text = text  # llguidance's grammar: what another process compiles it from
         self._prototype = prototype  # an LLMatcher in its start state; only ever copied
         self.vocab_size = vocab_size
         self.eos = eos  # llguidance's eos id
@@ -230,11 +228,18 @@ class GrammarCompiler:
 
     def compile_now(self, constraint: Constraint) -> CompiledGrammar:
         """Compile on this thread (no cache): the worker's job, and benches'."""
+        try:
+            text = grammar_text(constraint, self.added_tokens)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise GrammarError(str(exc)) from None
+        return self.compile_text(text)
+
+    def compile_text(self, text: str) -> CompiledGrammar:
+        """Compile llguidance's grammar ``text`` (``grammar_text``) on this thread."""
         import llguidance
 
         tok = self.tokenizer()
         try:
-            text = grammar_text(constraint, self.added_tokens)
             error = llguidance.LLMatcher.validate_grammar(text, tok)
         except (ValueError, TypeError, RuntimeError) as exc:
             raise GrammarError(str(exc)) from None
@@ -243,7 +248,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(tok, text, log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        compiled = CompiledGrammar(constraint, matcher, self.vocab_size, tok.eos_token, self._ends)
+        compiled = CompiledGrammar(text, matcher, self.vocab_size, tok.eos_token, self._ends)
         # The first mask builds the lexer's start states: here, not on the engine thread.
         probe = compiled.new_state()
         probe.bitmask()

@@ -39,6 +39,7 @@ from tokenwire.engine.base import (
     SamplingSupport,
     TokenLogprob,
 )
+from tokenwire.structured.masks import mask_bias
 
 # Candidate-set sizes tried in turn before a full sort (the first covers nearly every row).
 CANDIDATE_TIERS = (256, 2048)
@@ -319,15 +320,6 @@ def _grammar_masks(rows: list[RowSampler], vocab: int, device: torch.device) -> 
         biases = mask_bias(np.stack(dense_words), vocab).to(device)
         masks.update(zip(dense, biases, strict=True))
     return masks
-
-
-def mask_bias(words: np.ndarray, vocab: int) -> torch.Tensor:
-    """Grammar bitmasks [C, ceil(V / 32)] int32 as additive biases [C, V] float32: 0.0 where
-    the bit is set, -inf where not. The bits unpacked to 0/1 bytes, then (bit - 1) << 23 is
-    float32 -inf's bit pattern (0xFF800000) or 0: numpy integer passes, about six times
-    cheaper on CPU than torch's shifts or a bool ``masked_fill`` over the vocabulary."""
-    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[:, :vocab]
-    return torch.from_numpy(((bits.astype(np.int32) - 1) << 23).view(np.float32))
 
 
 def _constrain(
