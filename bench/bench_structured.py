@@ -11,7 +11,7 @@ Part 2 (``--engine``): the hf engine on qwen3-tiny (random weights), 32 concurre
 output token and the ratio (the design target is at most 1.15x).
 
 Usage: ``python bench/bench_structured.py [--engine] [--tokens 64] [--concurrency 32]
-[--trials 3]``. On a loaded 2-core machine single trials vary by 30%: read the median.
+[--trials 3] [--smoke]``. On a loaded 2-core machine single trials vary by 30%: read the median.
 """
 
 from __future__ import annotations
@@ -346,7 +346,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument(
+        "--smoke", action="store_true", help="seconds: both parts at tiny sizes, one trial"
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.engine, args.tokens, args.concurrency, args.trials = True, 8, 4, 1
     model_dir = prepare("qwen3-tiny")
     hf = AutoTokenizer.from_pretrained(str(model_dir))
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
