@@ -16,7 +16,8 @@ VLLM_ENV := VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1
 VLLM_TESTS := tests/test_engine_hf.py tests/test_generate.py tests/test_rl_control.py \
 	tests/test_fidelity.py tests/test_openai.py tests/test_sglang_batches.py \
 	tests/test_framework_compat.py tests/test_scoring.py tests/test_lora.py \
-	tests/test_weight_transfer.py tests/test_engine_death.py tests/test_grpo.py
+	tests/test_weight_transfer.py tests/test_engine_death.py tests/test_grpo.py \
+	tests/test_structured_server.py
 
 .PHONY: install serve test test-fast lint bench bench-smoke fuzz load install-vllm test-vllm bench-vllm \
 	install-frameworks test-frameworks

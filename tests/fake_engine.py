@@ -71,7 +71,7 @@ _POLL_S = 0.002
 _MAX_MODEL_LEN_CAP = 8192
 # What the fake serves unless a test takes some away (as the vllm engine lacks them).
 ALL_FEATURES: frozenset[EngineFeature] = frozenset(
-    {"prompt_token_id_logprobs", "logprob_token_ids", "sampling_mask"}
+    {"prompt_token_id_logprobs", "logprob_token_ids", "sampling_mask", "structured_outputs"}
 )
 # The weights a trainer may send the fake engine: every update is checked against these.
 FAKE_LAYOUT: Layout = {

@@ -192,9 +192,6 @@ def test_sglang_generate_bad_input(fast_rl: FastApp, body: dict) -> None:
 @pytest.mark.parametrize(
     ("change", "param"),
     [
-        ({"sampling_params": {"regex": "(yes|no)"}}, "sampling_params.regex"),
-        ({"sampling_params": {"json_schema": '{"type": "object"}'}}, "sampling_params.json_schema"),
-        ({"sampling_params": {"ebnf": 'root ::= "a"'}}, "sampling_params.ebnf"),
         ({"sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag"),
         ({"sampling_params": {"stop_regex": "a+"}}, "sampling_params.stop_regex"),
         ({"sampling_params": {"logit_bias": {"5": 100}}}, "sampling_params.logit_bias"),

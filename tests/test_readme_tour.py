@@ -168,6 +168,11 @@ def _echo(answer: Any, curl: Curl, client: httpx.Client) -> None:
     assert answer["usage"]["completion_tokens"] == 0
 
 
+def _structured(answer: Any, curl: Curl, client: httpx.Client) -> None:
+    content = json.loads(answer["choices"][0]["message"]["content"])
+    assert content["city"] in ("Paris", "Lyon")
+
+
 def _messages(answer: Any, curl: Curl, client: httpx.Client) -> None:
     assert answer["type"] == "message" and answer["content"]
 
@@ -214,6 +219,7 @@ CHECKS: list[tuple[str, Check]] = [
     ("/v1/completions", _completion),
     ("/v1/chat/completions", _chat_token_ids),
     ("/v1/completions", _echo),
+    ("/v1/chat/completions", _structured),
     ("/v1/messages", _messages),
     ("/v1/responses", _responses),
     ("/v1/responses", _responses),

@@ -46,6 +46,7 @@ from tokenwire.model_source import resolve_model_dir
 from tokenwire.pipeline.context import ModelRuntime, Pipeline, ServingConfig
 from tokenwire.pipeline.session_store import SessionStore
 from tokenwire.settings import Settings
+from tokenwire.structured.grammar import GrammarCompiler
 from tokenwire.text.chat_template import (
     ChatTemplate,
     RequestTemplateWorkers,
@@ -206,6 +207,11 @@ async def _load_runtime(
         media=media,
         decoder=TokenTextDecoder(tokenizer, table),
         request_templates=request_templates,
+        grammars=(
+            GrammarCompiler(tokenizer.hf, engine.vocab_size, engine.eos_token_ids)
+            if "structured_outputs" in engine.features
+            else None
+        ),
     )
     _settle_heap()
     pipeline.runtime = runtime

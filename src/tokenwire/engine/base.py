@@ -34,7 +34,27 @@ LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 LOGPROBS_MODES: tuple[LogprobsMode, ...] = ("raw_logprobs", "processed_logprobs")
 # Request features an engine may lack; the pipeline refuses a request that needs one its engine
 # does not list in ``Engine.features`` (a 400 naming the field) before the engine sees it.
-EngineFeature = Literal["prompt_token_id_logprobs", "logprob_token_ids", "sampling_mask", "lora"]
+EngineFeature = Literal[
+    "prompt_token_id_logprobs", "logprob_token_ids", "sampling_mask", "lora", "structured_outputs"
+]
+
+
+class GrammarState(Protocol):
+    """One request's position in its output constraint (``tokenwire.structured.grammar``):
+    owned by the engine's row sampler, advanced by each token the row samples."""
+
+    def bitmask(self) -> np.ndarray:
+        """The ids allowed next, over the model's vocabulary: int32 words, id i at bit i % 32
+        of word i // 32 (llguidance's and xgrammar's layout)."""
+        ...
+
+    def accept(self, token_id: int) -> None: ...
+
+
+class Grammar(Protocol):
+    """A compiled output constraint, shared and immutable; one state per request from it."""
+
+    def new_state(self) -> GrammarState: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +84,10 @@ class SamplingParams:
     logprob_token_ids: tuple[int, ...] | None = None
     # Report each step's sampling support (``SamplingSupport``).
     sampling_mask: bool = False
+    # Structured outputs: the compiled constraint each sampled token must keep to (None: free).
+    # The raw logprob of a constrained token is the model's (vLLM's default); in
+    # "processed_logprobs" mode it is the masked, renormalised distribution's.
+    grammar: Grammar | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from tokenwire.pipeline.dialect import (
     chat_body,
     check_continued_system,
     continued_calls,
+    structured_fields,
     tool_call_ids,
     uncontinued,
 )
@@ -94,12 +95,15 @@ def chat_request(
             fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
         else:
             fields["tool_choice"] = _TOOL_CHOICES[choice.type]
+        if choice.disable_parallel_tool_use:
+            fields["parallel_tool_calls"] = False
     if body.thinking is not None and body.thinking.type != "adaptive":
         # Qwen3-style templates switch reasoning with ``enable_thinking``; others ignore it.
         fields["chat_template_kwargs"] = {"enable_thinking": body.thinking.type == "enabled"}
     if body.messages[-1].role == "assistant":
         # A prefilled reply: the model continues it (Anthropic's prefill).
         fields.update(add_generation_prompt=False, continue_final_message=True)
+    source = "output_format"
     if isinstance(body, MessagesRequest):
         fields.update(
             max_tokens=body.max_tokens,
@@ -109,7 +113,19 @@ def chat_request(
             top_k=body.top_k,
             stream=body.stream,
         )
-    return chat_body(fields)
+        output_format = body.output_format
+        config_format = (body.output_config or {}).get("format")
+        if output_format is not None and config_format is not None:
+            raise InvalidRequest(
+                "set output_format or output_config.format, not both", "output_format"
+            )
+        if config_format is not None:
+            output_format, source = config_format, "output_config.format"
+        if output_format is not None:
+            fields["structured_outputs"] = structured_fields(output_format, source)
+    request = chat_body(fields)
+    request._constraint_source = source
+    return request
 
 
 def _assistant_message(message: AnthropicMessage, where: str) -> dict[str, Any]:

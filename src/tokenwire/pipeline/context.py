@@ -18,6 +18,7 @@ from tokenwire.pipeline.errors import NotReady, UnknownModel
 from tokenwire.pipeline.jobs import JobRegistry
 from tokenwire.pipeline.session_store import SessionStore
 from tokenwire.settings import Settings
+from tokenwire.structured.grammar import GrammarCompiler
 from tokenwire.text.chat_template import ChatTemplate, RequestTemplateWorkers
 from tokenwire.text.token_text import TokenTextDecoder
 from tokenwire.text.tokenizer import Tokenizer
@@ -100,6 +101,8 @@ class ModelRuntime:
     decoder: TokenTextDecoder
     # The processes request templates render in; None unless --trust-request-chat-template.
     request_templates: RequestTemplateWorkers | None = None
+    # Compiles structured-output constraints (None: the engine cannot enforce them).
+    grammars: GrammarCompiler | None = None
 
 
 @dataclass(slots=True)

@@ -33,6 +33,7 @@ from tokenwire.parsers import (
     advance_text,
     new_parse_state,
 )
+from tokenwire.structured.spec import Constraint
 from tokenwire.text.logprob_json import chat_logprobs_json_from, completion_logprobs_from
 from tokenwire.text.token_table import DecodeContext
 from tokenwire.text.token_text import LogprobInput, TokenTextDecoder
@@ -91,6 +92,9 @@ class Parsing:
     tool_parser: ToolParser | None = None
     # The prompt ends inside an open <think> block: the output starts as reasoning.
     prompt_in_think: bool = False
+    # What the request's tool choice forces on the output, in the tool parser's call format
+    # (``structured.tool_choice``); None: the model chooses.
+    forced_tools: Constraint | None = None
 
     @property
     def tools_enabled(self) -> bool:

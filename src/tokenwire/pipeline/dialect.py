@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.protocol.openai import ChatCompletionRequest
+from tokenwire.structured.spec import constraint_of, response_format_fields
 
 if TYPE_CHECKING:
     from tokenwire.pipeline.openai import CompletionRun
@@ -29,6 +30,18 @@ def chat_body(fields: dict[str, Any]) -> ChatCompletionRequest:
         error = exc.errors()[0]
         where = ".".join(str(part) for part in error["loc"])
         raise InvalidRequest(f"{where}: {error['msg']}", where.split(".")[0]) from exc
+
+
+def structured_fields(value: Any, source: str) -> dict[str, Any] | None:
+    """A dialect's output format (Responses' ``text.format``, Anthropic's ``output_format``)
+    as chat's ``structured_outputs``: refused here with a 400 naming ``source``."""
+    try:
+        fields = response_format_fields(value, source)
+        if fields is not None:
+            constraint_of(fields, source)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), source) from exc
+    return fields
 
 
 def tool_call_ids(message: dict[str, Any]) -> Iterable[str]:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import Any
 
-from tokenwire.engine.base import LogprobsMode, SamplingParams, SamplingSupport
+from tokenwire.engine.base import Grammar, LogprobsMode, SamplingParams, SamplingSupport
 from tokenwire.pipeline.choice import Choice, ChoiceDelta, ChoiceRequest, engine_request_id
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.decoder import PLAIN, ChoiceDecoder, ChoiceStep, DecodeOptions, Parsing
@@ -19,13 +20,14 @@ from tokenwire.pipeline.logprobs import (
     prompt_token_id_logprobs_json,
     token_logprobs_json,
 )
-from tokenwire.pipeline.parsing import chat_parsing
+from tokenwire.pipeline.parsing import chat_parsing, reasoning_before_output
 from tokenwire.pipeline.response_json import usage_json
 from tokenwire.pipeline.validation import ValidPrompt, valid_prompt
 from tokenwire.protocol.generate import GenerateRequest, SamplingParamsModel
+from tokenwire.structured.grammar import GrammarError
 
 
-def start_job(
+async def start_job(
     pipeline: Pipeline,
     runtime: ModelRuntime,
     request_id: str,
@@ -41,13 +43,15 @@ def start_job(
     ``parsing``: how the route reads the choices' text (None: it reads none; stop strings are
     still found, by a decoder made for them alone). ``adapter``: the LoRA adapter the request
     names (``adapter_param`` names the field), None for the base model; the job holds its
-    current version until it ends.
+    current version until it ends. A structured-output constraint is compiled first (a 400
+    when it cannot be), before the request is admitted.
     """
+    grammars = [await request_grammar(pipeline, runtime, prompt, parsing) for prompt in prompts]
     control = pipeline.control
     control.admit()
     version = None if adapter is None else control.adapters.acquire(adapter, adapter_param)
     choices: list[Choice] = []
-    for prompt_index, prompt in enumerate(prompts):
+    for prompt_index, (prompt, grammar) in enumerate(zip(prompts, grammars, strict=True)):
         params = prompt.sampling
         options = DecodeOptions.of(params)
         for sample in range(params.n):
@@ -59,6 +63,7 @@ def start_job(
                     sample,
                     sampling_mask=prompt.sampling_mask,
                     logprobs_mode=pipeline.config.logprobs_mode,
+                    grammar=grammar,
                 ),
                 prompt.media,
                 prompt.prompt_only,
@@ -91,12 +96,53 @@ def start_job(
     return job
 
 
+async def request_grammar(
+    pipeline: Pipeline, runtime: ModelRuntime, prompt: ValidPrompt, parsing: Parsing | None
+) -> Grammar | None:
+    """The compiled output constraint of a prompt (None: free text): its structured outputs,
+    or what its tool choice forces (``parsing.forced_tools``). With a reasoning parser on, the
+    constraint starts after the model's reasoning, on every route (vLLM's rule). A 400 naming
+    the field when the engine cannot enforce one or the grammar engine refuses it."""
+    params = prompt.sampling
+    source = params.constraint_source
+    try:
+        constraint = params.constraint
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), source) from exc
+    forced = parsing.forced_tools if parsing is not None else None
+    if forced is not None:
+        if constraint is not None:
+            raise InvalidRequest(
+                f"tool_choice and {source} both constrain the output: set one", "tool_choice"
+            )
+        constraint, source = forced, "tool_choice"
+    if constraint is None:
+        return None
+    grammars = runtime.grammars
+    if "structured_outputs" not in runtime.engine.features or grammars is None:
+        raise InvalidRequest(
+            f"{source}: structured outputs are not supported by this server's engine", source
+        )
+    if (
+        pipeline.config.reasoning_parser is not None
+        and constraint.kind != "grammar"
+        and grammars.has_think_tokens
+    ):
+        reasoning = reasoning_before_output(runtime, prompt.token_ids)
+        constraint = replace(constraint, reasoning=reasoning)
+    try:
+        return await grammars.compile(constraint)
+    except GrammarError as exc:
+        raise InvalidRequest(f"{source}: {exc}", source) from exc
+
+
 def engine_sampling(
     params: SamplingParamsModel,
     sample: int,
     *,
     sampling_mask: bool = False,
     logprobs_mode: LogprobsMode = "raw_logprobs",
+    grammar: Grammar | None = None,
 ) -> SamplingParams:
     """The engine's view of one choice; choice i > 0 of a seeded request uses seed + i.
     ``logprobs_mode``: the server's, for a request that names none."""
@@ -126,6 +172,7 @@ def engine_sampling(
         prompt_logprob_start=params.prompt_logprob_start or 0,
         logprob_token_ids=tuple(params.logprob_token_ids) if params.logprob_token_ids else None,
         sampling_mask=sampling_mask,
+        grammar=grammar,
     )
 
 
@@ -296,7 +343,7 @@ async def start_generation(
         parsing = PLAIN
     elif body.output_mode == "derender":
         parsing = await chat_parsing(pipeline, runtime, body.parse_context, prompt_ids)
-    job = start_job(
+    job = await start_job(
         pipeline,
         runtime,
         request_id,

@@ -348,7 +348,7 @@ async def start_chat_completion(
             pipeline, runtime, body, pipeline.session_store(), session, dialect, continued
         )
     parsing: Parsing = await chat_parsing(pipeline, runtime, body, prompt.prompt.token_ids)
-    job = start_job(
+    job = await start_job(
         pipeline,
         runtime,
         prompt.request_id,
@@ -370,7 +370,7 @@ async def start_chat_completion(
 async def start_completion(pipeline: Pipeline, body: CompletionRequest) -> CompletionRun:
     runtime = pipeline.ready(body.model)
     prompts = await completion_prompts(pipeline, runtime, body)
-    job = start_job(
+    job = await start_job(
         pipeline,
         runtime,
         completion_request_id(body),

@@ -19,6 +19,7 @@ from tokenwire.pipeline.dialect import (
     chat_body,
     check_continued_system,
     continued_calls,
+    structured_fields,
     tool_call_ids,
     uncontinued,
 )
@@ -91,7 +92,12 @@ def chat_request(
             if isinstance(choice, str)
             else {"type": "function", "function": {"name": choice.name}}
         )
-    return chat_body(fields)
+    source = "text.format"
+    if body.text is not None and body.text.format is not None:
+        fields["structured_outputs"] = structured_fields(body.text.format, source)
+    request = chat_body(fields)
+    request._constraint_source = source
+    return request
 
 
 def _messages(
@@ -212,7 +218,7 @@ class ResponseRun:
             "top_p": body.top_p,
             "tool_choice": _tool_choice_json(body),
             "tools": [tool.model_dump() for tool in body.tools or ()],
-            "text": {"format": {"type": "text"}},
+            "text": {"format": _text_format(body)},
             "truncation": "disabled",
             "metadata": body.metadata or {},
             "usage": self._usage(output) if finished else None,
@@ -273,6 +279,12 @@ class ResponseRun:
         # vLLM ends the stream (the SDK's get_final_response() then reads it).
         status = _status(deltas.finish_reason)
         yield stream.event("response.completed", response=self.envelope(status, stream.output))
+
+
+def _text_format(body: ResponsesRequest) -> dict[str, Any]:
+    """The answer's ``text.format``: the request's (its schema enforced), else plain text."""
+    given = body.text.format if body.text is not None else None
+    return given or {"type": "text"}
 
 
 def _status(finish_reason: str | None) -> str:

@@ -30,6 +30,7 @@ from tokenwire.pipeline.offload import run_text_work
 from tokenwire.pipeline.validation import valid_prompt
 from tokenwire.protocol.generate import SamplingParamsModel
 from tokenwire.protocol.sglang import SGLangGenerateRequest
+from tokenwire.structured.spec import constraint_of
 from tokenwire.text.token_text import json_logprob
 
 # A cumulative chunk goes out once the output grew by 1/COALESCE of what was last sent.
@@ -202,7 +203,11 @@ def _finish_reason(choice: Choice) -> dict[str, Any] | None:
 def _sampling(body: SGLangGenerateRequest) -> SamplingParamsModel:
     p = body.sampling_params
     try:
+        structured, source = p.structured_outputs()
+        if structured is not None:
+            constraint_of(structured, source)  # refused here: the error names the field
         return SamplingParamsModel(
+            structured_outputs=structured,
             n=p.n,
             # Scoring only (0) still runs one step; the choice drops its output (``ValidPrompt``).
             max_tokens=max(p.max_new_tokens, 1) if p.max_new_tokens is not None else None,
@@ -227,7 +232,7 @@ def _sampling(body: SGLangGenerateRequest) -> SamplingParamsModel:
                 if body.return_logprob and body.logprob_start_len >= 0
                 else None
             ),
-        )
+        ).constrained_by(source)
     except ValueError as exc:
         raise InvalidRequest(str(exc), "sampling_params") from exc
 
@@ -274,7 +279,7 @@ async def start_sglang_generate(pipeline: Pipeline, body: SGLangGenerateRequest)
         )
     rid = body.rid or uuid.uuid4().hex
     rids = rid if isinstance(rid, list) else [rid] * len(prompts)
-    job = start_job(
+    job = await start_job(
         pipeline,
         runtime,
         rids[0],

@@ -114,6 +114,9 @@ class MessagesRequest(CountTokensRequest):
     top_p: TopP | None = None
     top_k: TopK | None = None
     metadata: dict[str, Any] | None = None
+    # Structured output: {"type": "json_schema", "schema": {...}}, under either name.
+    output_format: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
     # Continue from an earlier answer, sending only the new messages: honoured on a session's
     # last answer (``pipeline.sessions.continued_head``), else a 400 that names it.
     thread: Thread | None = None

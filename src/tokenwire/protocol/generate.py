@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from tokenwire.protocol.chat import Tool
 from tokenwire.protocol.common import (
@@ -23,6 +23,7 @@ from tokenwire.protocol.common import (
     TopK,
     TopP,
 )
+from tokenwire.structured.spec import Constraint, constraint_of
 
 CONTENT_PARTS_AND_FEATURES = "content_parts and features are mutually exclusive"
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs; the flag is checked in the pipeline
@@ -37,8 +38,6 @@ UNSUPPORTED_FIELDS = (
     "allowed_token_ids",
     "bad_words",
     "logits_processors",
-    "structured_outputs",
-    "guided_decoding",
 )
 
 
@@ -86,8 +85,12 @@ class SamplingParamsModel(StrictRequestModel):
     allowed_token_ids: list[Int64] | None = None
     bad_words: list[str] | None = None
     logits_processors: list[Any] | None = None
+    # vLLM's structured outputs (``guided_decoding``: its older name): exactly one of json,
+    # regex, choice, grammar, json_object (structural_tag is refused), and its options.
     structured_outputs: dict[str, Any] | None = None
     guided_decoding: dict[str, Any] | None = None
+    # The request field the constraint came from, for errors (chat's response_format, ...).
+    _constraint_source: str = PrivateAttr(default="sampling_params.structured_outputs")
     # At each output position, these ids' logprobs in place of the top k (vLLM's).
     logprob_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_LOGPROB_TOKEN_IDS)
     # Teacher scoring: row i lists the ids to score as prompt token prompt_logprob_start + i + 1
@@ -105,6 +108,12 @@ class SamplingParamsModel(StrictRequestModel):
         for name in UNSUPPORTED_FIELDS:
             if getattr(self, name):
                 raise ValueError(f"{name} is not supported by tokenwire")
+        if self.guided_decoding:
+            if self.structured_outputs:
+                raise ValueError("set structured_outputs or guided_decoding, not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if self.structured_outputs:
+            constraint_of(self.structured_outputs)  # a 400 naming the field, before generating
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are not supported when detokenize is False")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -125,6 +134,22 @@ class SamplingParamsModel(StrictRequestModel):
                 f"len(logprob_token_ids)={len(given)}."
             )
         return self
+
+    def constrained_by(self, source: str) -> SamplingParamsModel:
+        """Name the request field the constraint came from (in errors about it)."""
+        self._constraint_source = source
+        return self
+
+    @property
+    def constraint_source(self) -> str:
+        return self._constraint_source
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """The structured output constraint (None: free text)."""
+        if not self.structured_outputs:
+            return None
+        return constraint_of(self.structured_outputs, self._constraint_source)
 
     @property
     def stop_strings(self) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from tokenwire.protocol.common import (
     CacheSalt,
@@ -21,6 +21,12 @@ from tokenwire.protocol.common import (
 )
 from tokenwire.protocol.generate import SamplingParamsModel, StreamOptions
 from tokenwire.protocol.tokenize import ChatTemplateOptions
+from tokenwire.structured.spec import (
+    constraint_of,
+    guided_fields,
+    one_of,
+    response_format_fields,
+)
 
 # Alternatives per token that derender reads back (vLLM's default --max-logprobs).
 MAX_TOP_LOGPROBS = 20
@@ -58,10 +64,38 @@ class SamplingFields(RequestModel):
     # "token_id:N" instead of their text.
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    # Structured outputs (at most one): OpenAI's response_format (text, json_object,
+    # json_schema), vLLM's structured_outputs and its older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # Names the field a dialect's constraint came from (Anthropic's output_format, ...).
+    _constraint_source: str | None = PrivateAttr(default=None)
 
     @property
     def requested_prompt_logprobs(self) -> int | None:
         return self.prompt_logprobs
+
+    def structured_outputs_fields(self) -> tuple[dict[str, Any] | None, str]:
+        """The request's one constraint as vLLM's structured_outputs, and the field it came
+        from (several: a ValueError naming them)."""
+        sources: dict[str, dict[str, Any] | None] = {
+            "response_format": (
+                response_format_fields(self.response_format)
+                if self.response_format is not None
+                else None
+            ),
+            "structured_outputs": self.structured_outputs,
+            "guided_*": guided_fields(
+                self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar
+            ),
+        }
+        fields = one_of(sources)
+        source = next((name for name, f in sources.items() if f), "structured_outputs")
+        return fields, self._constraint_source or source
 
     def sampling_params(self, *, max_tokens: int, logprobs: int | None) -> SamplingParamsModel:
         """The generate schema's sampling_params for this request."""
@@ -79,6 +113,10 @@ class SamplingFields(RequestModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logit_bias": self.logit_bias,
         }
+        structured, source = self.structured_outputs_fields()
+        if structured:
+            constraint_of(structured, source)  # refused here: the error names the field
+            values["structured_outputs"] = structured
         optional = {
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -90,7 +128,7 @@ class SamplingFields(RequestModel):
             "repetition_penalty": self.repetition_penalty,
         }
         values.update({k: v for k, v in optional.items() if v is not None})
-        return SamplingParamsModel(**values)
+        return SamplingParamsModel(**values).constrained_by(source)
 
 
 class ChatCompletionRequest(ChatTemplateOptions, SamplingFields):

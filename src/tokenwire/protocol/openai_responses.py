@@ -115,13 +115,10 @@ class ResponsesRequest(RequestModel):
     text: TextConfig | None = None
 
 
-class TextFormat(RequestModel):
-    # Structured output would change the tokens and is not implemented (as on generate).
-    type: Literal["text"]
-
-
 class TextConfig(RequestModel):
-    format: TextFormat | None = None
+    # Structured output: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema",
+    # "name", "schema", "strict"} (``structured.spec.response_format_fields``).
+    format: dict[str, Any] | None = None
 
 
 # -- answers (for the OpenAPI document; the pipeline builds them as dicts) -------------------

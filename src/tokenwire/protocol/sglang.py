@@ -27,9 +27,6 @@ DEFAULT_MAX_NEW_TOKENS = 128
 # outputs) and that tokenwire does not implement: a 400 naming the field when set to anything
 # but its "off" value, never a 200 that silently ignored it.
 UNSUPPORTED_SAMPLING_FIELDS = (
-    "regex",
-    "json_schema",
-    "ebnf",
     "structural_tag",
     "stop_regex",
     "logit_bias",
@@ -74,16 +71,33 @@ class SGLangSamplingParams(RequestModel):
     repetition_penalty: RepetitionPenalty = 1.0
     sampling_seed: Int64 | None = None
     n: NonNegativeInt64 = Field(default=1, ge=1)
+    # Structured outputs (at most one): a regex, a JSON schema as JSON text, an EBNF grammar.
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
     # Refused when set; see UNSUPPORTED_SAMPLING_FIELDS.
-    regex: Any = None
-    json_schema: Any = None
-    ebnf: Any = None
     structural_tag: Any = None
     stop_regex: Any = None
     logit_bias: Any = None
     custom_params: Any = None
 
     _unsupported = field_validator(*UNSUPPORTED_SAMPLING_FIELDS)(_refuse_if_set)
+
+    def structured_outputs(self) -> tuple[dict[str, Any] | None, str]:
+        """The constraint as vLLM's structured_outputs, and the field it came from."""
+        given = {
+            "json_schema": ("json", self.json_schema),
+            "regex": ("regex", self.regex),
+            "ebnf": ("grammar", self.ebnf),
+        }
+        set_ = {name: pair for name, pair in given.items() if pair[1] is not None}
+        if len(set_) > 1:
+            raise ValueError(
+                f"only one structured output constraint may be set; got {', '.join(set_)}"
+            )
+        for name, (kind, value) in set_.items():
+            return {kind: value}, f"sampling_params.{name}"
+        return None, "sampling_params.json_schema"
 
 
 class SGLangGenerateRequest(RequestModel):

@@ -154,6 +154,7 @@ class HFEngine:
             "prompt_token_id_logprobs",
             "logprob_token_ids",
             "sampling_mask",
+            "structured_outputs",
         }
         if max_loras:
             features.add("lora")

@@ -13,22 +13,33 @@ CDF in vocabulary order.
 
 Why one uniform per step from a per-request ``torch.Generator``: the draw for a request's n-th
 token depends only on its seed, so a seeded request is reproducible whatever else is in the batch.
+
+Structured outputs: a row with a grammar (``SamplingParams.grammar``) has every id its grammar
+state does not allow set to -inf after penalties and min_tokens (if those left nothing the
+grammar allows, the grammar alone decides), before greedy or temperature; other rows are never
+touched, so they and seeded rows sample exactly as without it. The raw logprobs stay the
+model's (vLLM's default); "processed_logprobs" and sampling supports see the masked row.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 from tokenwire.engine.base import (
     GREEDY_TEMPERATURE,
+    GrammarState,
     SamplingParams,
     SamplingSupport,
     TokenLogprob,
 )
+from tokenwire.structured.masks import mask_bias
 
 # Candidate-set sizes tried in turn before a full sort (the first covers nearly every row).
 CANDIDATE_TIERS = (256, 2048)
@@ -51,6 +62,7 @@ class RowSampler:
     seen: set[int] | None = None  # prompt + output ids (repetition penalty)
     counts: dict[int, int] | None = None  # output id counts (frequency/presence)
     num_output: int = 0
+    grammar: GrammarState | None = None  # the request's one grammar state (structured outputs)
     _seen_ids: torch.Tensor | None = None
     _count_ids: torch.Tensor | None = None
     _count_vals: torch.Tensor | None = None
@@ -71,11 +83,19 @@ class RowSampler:
         seen = set(prompt_ids) if params.repetition_penalty != 1.0 else None
         penalized = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
         stops = tuple(i for i in stop_ids if 0 <= i < vocab_size)
-        return cls(params, stops, gen, vocab_size, device, seen, {} if penalized else None)
+        grammar = params.grammar.new_state() if params.grammar is not None else None
+        return cls(
+            params, stops, gen, vocab_size, device, seen, {} if penalized else None, 0, grammar
+        )
 
     @property
     def greedy(self) -> bool:
         return self.params.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def suppressing(self) -> bool:
+        """min_tokens still holds back the stop ids."""
+        return self.num_output < self.params.min_tokens and bool(self.stop_ids)
 
     @property
     def needs_processing(self) -> bool:
@@ -87,8 +107,10 @@ class RowSampler:
         )
 
     def record(self, token_id: int) -> None:
-        """Account for a sampled token (penalty state, min_tokens)."""
+        """Account for a sampled token (penalty state, min_tokens, the grammar's position)."""
         self.num_output += 1
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if self.seen is not None and token_id not in self.seen:
             self.seen.add(token_id)
             self._seen_ids = None
@@ -140,6 +162,7 @@ def sample(logits: torch.Tensor, rows: list[RowSampler]) -> SampleResult:
             if r.needs_processing:
                 r.apply_penalties(processed[i])
         processed = finite(processed)
+    allowed = _grammar_masks(rows, logits.shape[-1], device)
 
     tokens = torch.empty(b, dtype=torch.long, device=device)
     # Per-row distribution that "processed_logprobs" reports; filled only where requested.
@@ -156,12 +179,19 @@ def sample(logits: torch.Tensor, rows: list[RowSampler]) -> SampleResult:
         gi = torch.tensor(greedy, device=device)
         tokens[gi] = processed[gi].argmax(dim=-1)
         for i in greedy:
+            row = processed[i]
+            if i in allowed:
+                fallback = (lambda i=i: finite(logits[i])) if rows[i].suppressing else None
+                row = _constrain(row, allowed[i], fallback)
+                tokens[i] = row.argmax()
             if wants_processed[i]:
-                final[i] = processed[i]
+                final[i] = row
 
     sampled = [i for i, r in enumerate(rows) if not r.greedy]
     if sampled:
-        _sample_rows(processed, rows, sampled, tokens, final, wants_processed, supports)
+        _sample_rows(
+            processed, rows, sampled, tokens, final, wants_processed, supports, allowed, logits
+        )
 
     token_list = tokens.tolist()
     result = SampleResult(token_ids=token_list, logprobs=[None] * b, supports=[None] * b)
@@ -219,8 +249,11 @@ def _sample_rows(
     final: dict[int, torch.Tensor],
     wants_processed: list[bool],
     supports: dict[int, SamplingSupport],
+    allowed: dict[int, torch.Tensor],
+    raw: torch.Tensor,
 ) -> None:
-    """Temperature, min_p, top_k, top_p and the draw for the non-greedy rows ``idx``."""
+    """Temperature, the grammar masks (``allowed``, by batch row), min_p, top_k, top_p and the
+    draw for the non-greedy rows ``idx``."""
     device = processed.device
     vocab = processed.shape[-1]
     params = [rows[i].params for i in idx]
@@ -232,6 +265,10 @@ def _sample_rows(
     dead = (~torch.isfinite(scaled).any(dim=-1)).nonzero().flatten().tolist()
     for r in dead:
         scaled[r] = finite(processed[idx[r]].nan_to_num(nan=0.0))
+    for j, i in enumerate(idx):
+        if i in allowed:
+            fallback = (lambda i=i, j=j: finite(raw[i] / temp[j])) if rows[i].suppressing else None
+            scaled[j] = _constrain(scaled[j], allowed[i], fallback)
     ctx = _Scaled(
         logits=scaled,
         u=torch.tensor(draws, dtype=torch.float64, device=device),
@@ -256,6 +293,54 @@ def _sample_rows(
         pending = _sample_candidates(ctx, pending, min(tier, vocab))
     if pending:
         _sample_candidates(ctx, pending, vocab)
+
+
+# A grammar step allowing at most this many ids is applied by copying them into a row of -inf
+# (JSON's structural positions allow a handful); more, by adding a 0 / -inf bias.
+SPARSE_MASK_IDS = 4096
+
+
+def _grammar_masks(rows: list[RowSampler], vocab: int, device: torch.device) -> dict[int, Any]:
+    """Each constrained row's next-token mask: its allowed ids (int64, few) or an additive
+    bias over the vocabulary (float32, 0 allowed, -inf not). Unconstrained rows: none."""
+    masks: dict[int, Any] = {}
+    dense: list[int] = []
+    dense_words: list[np.ndarray] = []
+    for i, r in enumerate(rows):
+        if r.grammar is None:
+            continue
+        words = r.grammar.bitmask()
+        if int(np.bitwise_count(words.view(np.uint32)).sum()) <= SPARSE_MASK_IDS:
+            bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab]
+            masks[i] = torch.from_numpy(np.flatnonzero(bits)).to(device)
+        else:
+            dense.append(i)
+            dense_words.append(words)
+    if dense:
+        biases = mask_bias(np.stack(dense_words), vocab).to(device)
+        masks.update(zip(dense, biases, strict=True))
+    return masks
+
+
+def _constrain(
+    row: torch.Tensor, bias: torch.Tensor, fallback: Callable[[], torch.Tensor] | None
+) -> torch.Tensor:
+    """``row`` under its grammar's mask (``_grammar_masks``: -inf on the ids it does not
+    allow). ``fallback`` (given only while min_tokens suppresses stop ids) makes the row
+    without the suppression, masked instead when the mask left nothing: the grammar wins."""
+    out = _masked(row, bias)
+    if fallback is not None and not bool(torch.isfinite(out).any()):
+        out = _masked(fallback(), bias)
+    return out
+
+
+def _masked(row: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``row`` under a grammar mask: only the allowed ids (int64) kept, or the bias added."""
+    if mask.dtype == torch.int64:
+        out = torch.full_like(row, float("-inf"))
+        out[mask] = row[mask]
+        return out
+    return row + mask
 
 
 def finite(logits: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,9 @@ from typing import Any
 from tokenwire.engine.base import EngineError, SamplingParams
 from tokenwire.engine.vllm.worker import WORKER_EXTENSION
 
+# vLLM imports it in its worker (tokenwire.engine.vllm.grammar needs vLLM to import).
+GRAMMAR_PROCESSOR = "tokenwire.engine.vllm.grammar:GrammarLogitsProcessor"
+
 
 def engine_args(
     model_dir: Path,
@@ -59,6 +62,9 @@ def engine_args(
     # tokenwire renders and decodes: vLLM sees token ids only.
     args.skip_tokenizer_init = True
     args.worker_extension_cls = WORKER_EXTENSION
+    # Structured outputs: tokenwire's grammars, masked in the worker (vLLM's own need the
+    # tokenizer turned off above).
+    args.logits_processors = [GRAMMAR_PROCESSOR]
     args.disable_log_stats = True
     return args
 
@@ -67,6 +73,8 @@ def sampling_params(sampling: SamplingParams, logprobs_mode: str) -> Any:
     """vLLM's ``SamplingParams`` for one sequence, streamed as deltas of ids only."""
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.sampling_params import RequestOutputKind
+
+    from tokenwire.engine.vllm.grammar import grammar_args
 
     wants_logprobs = sampling.logprobs is not None or sampling.prompt_logprobs is not None
     if wants_logprobs and sampling.logprobs_mode != logprobs_mode:
@@ -94,4 +102,5 @@ def sampling_params(sampling: SamplingParams, logprobs_mode: str) -> Any:
         output_kind=RequestOutputKind.DELTA,
         detokenize=False,
         skip_special_tokens=False,
+        extra_args=grammar_args(sampling.grammar) if sampling.grammar is not None else None,
     )

