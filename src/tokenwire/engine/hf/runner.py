@@ -26,6 +26,7 @@ from tokenwire.engine.hf.lora import AdapterSlots
 from tokenwire.engine.hf.mrope import prefill_positions
 from tokenwire.engine.hf.multimodal import RequestMedia, VisionSpec, prefill_media_kwargs
 from tokenwire.engine.hf.prefix_cache import LayerKV, RowKV
+from tokenwire.engine.hf.routing import RoutingCapture
 from tokenwire.engine.hf.sampling import RowSampler, SampleResult, sample, token_logprobs
 from tokenwire.engine.stopping import suppressed_ids
 from tokenwire.engine.weight_rules import Layout, check_tensors
@@ -101,6 +102,7 @@ class ModelRunner:
         max_loras: int = 0,
         max_lora_rank: int = 0,
         threads: int,
+        capture_routing: bool = False,
     ) -> None:
         self.model_dir = model_dir
         self.threads = threads
@@ -119,6 +121,8 @@ class ModelRunner:
         self._row_padding = invariance.RowPadding(1)  # load() probes the real block
         self._max_loras, self._max_lora_rank = max_loras, max_lora_rank
         self.adapters: AdapterSlots | None = None  # with LoRA on, once loaded
+        self._capture_routing = capture_routing
+        self.routing: RoutingCapture | None = None  # with capture on, once loaded
         # Fused expert weights: their per-expert views by checkpoint name.
         self._expert_parts: dict[str, dict[str, torch.Tensor]] = {}
         self._part_names: frozenset[str] = frozenset()
@@ -166,6 +170,8 @@ class ModelRunner:
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._num_layers = int(text_config.num_hidden_layers)
+        if self._capture_routing:
+            self.routing = RoutingCapture(model)
         self.reset_cache()
         self._warm_up()
 
@@ -277,6 +283,11 @@ class ModelRunner:
         last_logits, hidden = self._prefill_forward(
             group, ids, mask, positions, cache, wants_prompt
         )
+        if self.routing is not None:
+            routes = self.routing.take().reshape(n, p, *self.routing.row_shape)
+            for i, (req, context, c) in enumerate(zip(group, contexts, cached, strict=True)):
+                assert req.routes is not None
+                req.routes.add(c, routes[i, p - len(context) :])
         for req in group:
             req.media = None  # the pixels live in the KV cache now; free them for long decodes
         scores = None
@@ -313,6 +324,9 @@ class ModelRunner:
         last_logits, hidden = self._prefill_forward(
             [req], ids, mask, positions, progress.cache, wants_prompt
         )
+        if self.routing is not None:
+            assert req.routes is not None
+            req.routes.add(start, self.routing.take())
         if hidden is not None:
             if progress.scores is None:
                 progress.scores = PromptScores()
@@ -417,6 +431,11 @@ class ModelRunner:
             **{self._cache_kwarg: cache},
         )
         cache.commit(1)
+        if self.routing is not None:
+            routes = self.routing.take()
+            for i, r in enumerate(rows):
+                assert r.routes is not None
+                r.routes.add(len(r.prompt) + len(r.output) - 1, routes[i : i + 1])
         return out.logits[:, -1].float()
 
     def _select_adapters(self, rows: list[Request]) -> None:
