@@ -42,7 +42,6 @@ UNSUPPORTED_FIELDS = (
     "session_params",
     "token_ids_logprob",
     "return_hidden_states",
-    "return_routed_experts",
 )
 
 
@@ -129,7 +128,10 @@ class SGLangGenerateRequest(RequestModel):
     session_params: Any = None
     token_ids_logprob: Any = None
     return_hidden_states: Any = None
-    return_routed_experts: Any = None
+    # Routed experts per token in ``meta_info`` (SGLang's; the server must capture them), from
+    # this absolute position on.
+    return_routed_experts: bool = False
+    routed_experts_start_len: NonNegativeInt64 = 0
 
     _unsupported = field_validator(*UNSUPPORTED_FIELDS)(_refuse_if_set)
 
