@@ -2,8 +2,9 @@
 would use it: the routing a request returns is what one transformers forward of the whole
 sequence routes, and a forward forced to that routing gives the server's logprobs.
 
-One server (``moe_server``: qwen3-moe-tiny, 2 sparse layers, 8 experts, top 2); requests run
-batched (concurrently, one with n = 2), one extends a finished request's prompt and output and
+One server (``moe_server``: qwen3-moe-tiny, 2 sparse layers, 8 experts, top 2, a 48-token
+prefill budget); requests run batched (concurrently, one with n = 2, two prefilled together,
+one in chunks, decodes joined mid-way), one extends a finished request's prompt and output and
 hits the prefix cache, one asks from ``routed_experts_prompt_start``.
 """
 
