@@ -31,7 +31,7 @@ SERVER_START_TIMEOUT_S = 900  # the first run builds the model assets
 VLLM_TEST_DTYPE = "float32"
 VLLM_TEST_ARGS = "--enforce-eager"
 # Models vLLM cannot run on CPU: "Unsupported CPU attention configuration: head_dim=16".
-VLLM_CPU_UNSUPPORTED = ("qwen3-tiny", "qwen2-vl-tiny")
+VLLM_CPU_UNSUPPORTED = ("qwen3-tiny", "qwen2-vl-tiny", "qwen3-moe-tiny")
 # A test that uses one of these (directly or through another fixture) runs a real model: it is
 # marked ``model``, as are tests that load or build one themselves. The rest is the fast part:
 # ``make test-fast`` runs ``-m "not model"``. The servers, then the in-process models of
@@ -39,7 +39,7 @@ VLLM_CPU_UNSUPPORTED = ("qwen3-tiny", "qwen2-vl-tiny")
 MODEL_FIXTURES = frozenset(
     {
         *("smollm2_server", "qwen3_server", "rl_server", "qwen2vl_server", "qwen2vl_strict_server"),
-        *("control_server", "lora_server", "lora_adapters"),
+        *("control_server", "lora_server", "lora_adapters", "moe_server"),
         *("engine", "tiny_engine", "vl_engine", "ref_model", "vl_model", "smollm2_model"),
     }
 )
@@ -278,6 +278,22 @@ def control_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]
     (``API_KEY``) and a control key the router does not hold."""
     args = [*RL_SERVER_ARGS, "--control-api-key", CONTROL_KEY]
     yield from _start(tmp_path_factory, "control", args, api_key=API_KEY)
+
+
+# The MoE test server's: routing capture (hf engine only), checkpoint reloads; a prefill budget
+# of 48 tokens, so test_moe's prompts prefill both batched (21 + 9) and in chunks (50).
+MOE_SERVER_ARGS = [
+    *("--model", "qwen3-moe-tiny", "--enable-return-routed-experts", "--enable-rl-control"),
+    *("--max-model-len", "1024", "--max-num-seqs", "8", "--max-num-batched-tokens", "48"),
+]
+
+
+@pytest.fixture(scope="session")
+def moe_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """qwen3-moe-tiny capturing routed experts (``MOE_SERVER_ARGS``)."""
+    if SESSION_ENGINE["kind"] != "hf":
+        pytest.skip("routed-experts capture is served by the hf engine only")
+    yield from _start(tmp_path_factory, "moe", MOE_SERVER_ARGS)
 
 
 # The PEFT adapters of ``lora_adapters``: targets, and r = 4, 8, 12 (the last with rsLoRA).

@@ -41,7 +41,12 @@ QWEN3_VOCAB = 151669
 
 
 def test_asset_names() -> None:
-    assert ASSET_NAMES == ("smollm2-135m-instruct", "qwen3-tiny", "qwen2-vl-tiny")
+    assert ASSET_NAMES == (
+        "smollm2-135m-instruct",
+        "qwen3-tiny",
+        "qwen2-vl-tiny",
+        "qwen3-moe-tiny",
+    )
 
 
 def test_unknown_asset_has_clear_error() -> None:
@@ -231,6 +236,28 @@ def test_qwen3_model(qwen3_dir: Path, qwen3_tok: Any) -> None:
         out = model.generate(**enc, max_new_tokens=4, do_sample=False)
     assert out.shape[1] > enc["input_ids"].shape[1]
     assert isinstance(qwen3_tok.decode(out[0]), str)
+
+
+@pytest.mark.model
+def test_qwen3_moe_tiny(qwen3_dir: Path) -> None:
+    """qwen3-tiny's tokenizer and template on a sparse model whose top-2 routing is clear of
+    float noise (the routing tests compare it across batch shapes)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    moe_dir = prepare("qwen3-moe-tiny")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (moe_dir / name).read_bytes() == (qwen3_dir / name).read_bytes()
+    model = AutoModelForCausalLM.from_pretrained(str(moe_dir)).eval()
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    config = model.config
+    assert (config.num_experts, config.num_experts_per_tok, config.num_hidden_layers) == (8, 2, 2)
+    assert config.vocab_size == QWEN3_VOCAB and config.mlp_only_layers == []
+    with torch.no_grad():
+        out = model(torch.arange(1000, 1064).unsqueeze(0), output_router_logits=True)
+    for logits in out.router_logits:
+        top = logits.topk(3, dim=-1).values
+        assert (top[:, 1] - top[:, 2]).min() > 1e-4
 
 
 # --------------------------------------------------------------------------- qwen2-vl-tiny

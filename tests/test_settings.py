@@ -199,6 +199,11 @@ def test_unknown_flags_pass_to_vllm() -> None:
         ([], {"TOKENWIRE_PREFIX_CACHE_BYTES": "-1"}, "--prefix-cache-bytes must be >= 0"),
         (["--max-num-batched-tokens", "0"], {}, "--max-num-batched-tokens must be >= 1"),
         (["--engine-threads", "0"], {}, "--engine-threads must be >= 1"),
+        (
+            ["--engine", "vllm", "--enable-return-routed-experts"],
+            {},
+            "--enable-return-routed-experts is not served with --engine vllm yet",
+        ),
         ([], {"TOKENWIRE_PORT": "x"}, "argument --port: invalid int value: 'x'"),
         (["--log-level", "loud"], {}, "argument --log-level: invalid choice: 'loud'"),
         (["--api-key", "a", "b"], {}, "several --api-key keys need a --control-api-key"),

@@ -174,6 +174,12 @@ class Settings:
     allowed_lora_paths: tuple[str, ...] = flag(
         (), many=True, help="directories adapters may load from (default: any the server reads)"
     )
+    enable_return_routed_experts: bool = flag(
+        False,
+        switch=True,
+        help="capture an MoE model's routed experts per token and return them (vLLM's "
+        "routed_experts, SGLang's return_routed_experts); hf engine only",
+    )
     allow_nonfinite_weights: bool = flag(
         False,
         switch=True,
@@ -362,6 +368,10 @@ def settings_from_args(args: argparse.Namespace, engine_args: Sequence[str] = ()
     each = values.get("session_max_bytes")
     if each is not None and not 1 <= each <= store_bytes:
         raise ValueError("--session-max-bytes must be between 1 and --session-store-bytes")
+    if values.get("enable_return_routed_experts") and values.get("engine") == "vllm":
+        raise ValueError(
+            "--enable-return-routed-experts is not served with --engine vllm yet (hf engine only)"
+        )
     if values.get("max_held_requests", 0) < 0:
         raise ValueError("--max-held-requests must be >= 0")
     return Settings(**values, engine_args=tuple(engine_args))

@@ -188,6 +188,7 @@ async def _load_runtime(
                 engine_threads=settings.engine_threads,
                 allow_nonfinite_weights=settings.allow_nonfinite_weights,
                 logprobs_mode=settings.logprobs_mode,
+                return_routed_experts=settings.enable_return_routed_experts,
             )
         await engine.start()
     except asyncio.CancelledError:

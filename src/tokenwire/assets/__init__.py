@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import qwen2_vl_tiny, qwen3_tiny, smollm2
+from . import qwen2_vl_tiny, qwen3_moe_tiny, qwen3_tiny, smollm2
 from .cache import MARKER, build_once, cache_root, read_marker
 from .gguf import convert_gguf
 from .sources import llama_cpp_models_dir
@@ -31,6 +31,7 @@ _RECIPES: dict[str, Any] = {
     smollm2.NAME: smollm2,
     qwen3_tiny.NAME: qwen3_tiny,
     qwen2_vl_tiny.NAME: qwen2_vl_tiny,
+    qwen3_moe_tiny.NAME: qwen3_moe_tiny,
 }
 
 ASSET_NAMES: tuple[str, ...] = tuple(_RECIPES)

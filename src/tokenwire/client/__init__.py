@@ -18,6 +18,7 @@ from tokenwire.client.errors import (
 )
 from tokenwire.client.fleet import AsyncFleet, Fleet
 from tokenwire.client.rollout import Rollout, RolloutError, RolloutResult, Turn
+from tokenwire.client.routing import decode_routed_experts, decode_sglang_routed_experts
 from tokenwire.client.types import (
     ChatCompletion,
     ChatMessageOut,
@@ -58,4 +59,6 @@ __all__ = [
     "TokenwireError",
     "Turn",
     "UnprocessableEntityError",
+    "decode_routed_experts",
+    "decode_sglang_routed_experts",
 ]

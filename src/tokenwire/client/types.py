@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
+
+from tokenwire.client.routing import decode_routed_experts
 
 
 class ServerModel(BaseModel):
@@ -73,6 +76,13 @@ class GenerateChoice(ServerModel):
     stop_reason: int | str | None = None
     # Final output only (a server without --enable-rl-control may send none).
     weight_versions: list[WeightVersionSpan] | None = None
+    # Final output only, from a server started with --enable-return-routed-experts.
+    routed_experts: str | None = None
+
+    @property
+    def routing(self) -> np.ndarray | None:
+        """``routed_experts`` decoded: ``[rows, layers, top_k]`` (``client.routing``)."""
+        return None if self.routed_experts is None else decode_routed_experts(self.routed_experts)
 
     @property
     def token_versions(self) -> list[str | None]:

@@ -35,7 +35,12 @@ LOGPROBS_MODES: tuple[LogprobsMode, ...] = ("raw_logprobs", "processed_logprobs"
 # Request features an engine may lack; the pipeline refuses a request that needs one its engine
 # does not list in ``Engine.features`` (a 400 naming the field) before the engine sees it.
 EngineFeature = Literal[
-    "prompt_token_id_logprobs", "logprob_token_ids", "sampling_mask", "lora", "structured_outputs"
+    "prompt_token_id_logprobs",
+    "logprob_token_ids",
+    "sampling_mask",
+    "lora",
+    "structured_outputs",
+    "routed_experts",
 ]
 
 
@@ -156,6 +161,11 @@ class EngineOutput:
     prompt_token_id_logprobs: np.ndarray | None = None
     # One per new token when ``sampling_mask`` was asked.
     sampling_masks: list[SamplingSupport] | None = None
+    # With routing capture on (feature "routed_experts"): the routed experts of the positions
+    # whose KV was made since the previous output, ``[rows, layers, top_k]`` uint8/uint16 (the
+    # first output: the prompt's, cached positions included; then one per fed token). Over a
+    # whole request they cover every position but the last sampled token (never fed).
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)

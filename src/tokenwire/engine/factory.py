@@ -30,6 +30,7 @@ def create_engine(
     engine_threads: int | None = None,
     allow_nonfinite_weights: bool = False,
     logprobs_mode: str = "raw_logprobs",
+    return_routed_experts: bool = False,
 ) -> Engine:
     """An unstarted engine of ``kind``; ``extra_args`` are vLLM engine flags (vllm only).
 
@@ -42,9 +43,15 @@ def create_engine(
     ``max_loras`` > 0 serves LoRA adapters (vLLM's ``--max-loras``; 0: LoRA off).
     ``max_num_batched_tokens`` is ``--max-num-batched-tokens`` (None: the engine's default);
     ``engine_threads`` the hf engine's torch threads (None: ``default_engine_threads()``).
+    ``return_routed_experts`` captures an MoE model's routed experts (hf only, for now).
     """
     if engine_threads is not None and kind != "hf":
         raise ValueError("--engine-threads is the hf engine's (vLLM: VLLM_CPU_OMP_THREADS_BIND)")
+    if return_routed_experts and kind != "hf":
+        raise ValueError(
+            "--enable-return-routed-experts is served by the hf engine only for now "
+            "(vLLM's own capture is not wired through --engine vllm)"
+        )
     if kind == "vllm":
         from tokenwire.engine.vllm import VLLMEngine
 
@@ -77,4 +84,5 @@ def create_engine(
         max_num_batched_tokens=max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
         threads=engine_threads,
         allow_nonfinite_weights=allow_nonfinite_weights,
+        return_routed_experts=return_routed_experts,
     )

@@ -120,6 +120,8 @@ class Choice:
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.prompt_token_id_logprobs: np.ndarray | None = None
         self.num_cached_tokens = 0
+        # The engine's routed-experts rows as they came (with routing capture on).
+        self._routes: list[np.ndarray] = []
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -142,8 +144,21 @@ class Choice:
             return self.token_ids[-1]  # eos, reported as None by the stop rule
         return self.stop_reason
 
+    def routed_experts(self, start: int = 0) -> np.ndarray | None:
+        """Routing rows of positions ``start`` .. the last kept token (never fed, so it has
+        none): tokens a stop string cut off take their rows with them. None: none captured
+        (capture off, or aborted before any forward)."""
+        if not self._routes:
+            return None
+        if len(self._routes) > 1:
+            self._routes = [np.concatenate(self._routes)]
+        end = len(self.prompt_ids) + len(self.token_ids) - 1
+        return self._routes[0][start:end]
+
     def add(self, output: EngineOutput) -> ChoiceDelta:
         """Take the engine's next output; the choice ends at a stop string its text completes."""
+        if output.routed_experts is not None:
+            self._routes.append(output.routed_experts)
         if output.prompt_logprobs is not None:
             self.prompt_logprobs = output.prompt_logprobs
         if output.prompt_token_id_logprobs is not None:

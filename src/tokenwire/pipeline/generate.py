@@ -22,6 +22,8 @@ from tokenwire.pipeline.logprobs import (
 )
 from tokenwire.pipeline.parsing import chat_parsing, reasoning_before_output
 from tokenwire.pipeline.response_json import usage_json
+from tokenwire.pipeline.routing import FEATURE as ROUTING_FEATURE
+from tokenwire.pipeline.routing import check_routing_request, routed_experts_npy
 from tokenwire.pipeline.validation import ValidPrompt, valid_prompt
 from tokenwire.protocol.generate import GenerateRequest, SamplingParamsModel
 from tokenwire.structured.grammar import GrammarError
@@ -195,6 +197,8 @@ class Generation:
         self.num_top = params.num_logprobs or 0
         if params.logprob_token_ids:  # the sampled token, then every given id
             self.num_top = len(params.logprob_token_ids) + 1
+        # vLLM's: every choice carries its routing while the engine captures it.
+        self.routed = ROUTING_FEATURE in job.engine.features
 
     @property
     def request_id(self) -> str:
@@ -271,6 +275,8 @@ class Generation:
             result["sampling_mask"] = _masks_json(delta.sampling_masks)
         if delta.finish_reason is not None:
             result["weight_versions"] = choice.weight_versions.spans
+            if self.routed:
+                result["routed_experts"] = self._routed_experts(choice)
         return result
 
     def _choice_json(self, choice: Choice) -> dict[str, Any]:
@@ -290,7 +296,15 @@ class Generation:
             result["message"] = message_json(step)
         if choice.sampling_masks is not None:
             result["sampling_mask"] = _masks_json(choice.sampling_masks)
+        if self.routed:
+            result["routed_experts"] = self._routed_experts(choice)
         return result
+
+    def _routed_experts(self, choice: Choice) -> str | None:
+        """vLLM's: the whole sequence's routing from ``routed_experts_prompt_start``, sent with
+        the choice's final output."""
+        start = self.body.sampling_params.routed_experts_prompt_start or 0
+        return routed_experts_npy(choice.routed_experts(start))
 
     @staticmethod
     def _render(
@@ -328,6 +342,15 @@ async def start_generation(
     else:
         prompt_ids = prompt.token_ids
         media = prompt.engine_input() if prompt.items else None
+    params = body.sampling_params
+    check_routing_request(
+        runtime,
+        len(prompt_ids),
+        asked=bool(params.return_routed_experts),
+        start=params.routed_experts_prompt_start or 0,
+        param="sampling_params.return_routed_experts",
+        start_param="sampling_params.routed_experts_prompt_start",
+    )
     checked = valid_prompt(
         pipeline.config,
         runtime,

@@ -27,6 +27,7 @@ from tokenwire.pipeline.generate import start_job
 from tokenwire.pipeline.jobs import GenerationJob
 from tokenwire.pipeline.logprobs import alternatives, engine_logprob_columns
 from tokenwire.pipeline.offload import run_text_work
+from tokenwire.pipeline.routing import check_routing_request, routed_experts_int32
 from tokenwire.pipeline.validation import valid_prompt
 from tokenwire.protocol.generate import SamplingParamsModel
 from tokenwire.protocol.sglang import SGLangGenerateRequest
@@ -165,6 +166,10 @@ class SGLangRun:
             meta["output_token_sampling_mask"] = [list(mask.token_ids) for mask in masks]
             meta["output_token_sampling_logprobs"] = [json_logprob(m.logprob) for m in masks]
             meta["output_token_sampling_mask_length"] = len(masks)
+        if body.return_routed_experts and choice.finished:
+            rows = choice.routed_experts(body.routed_experts_start_len)
+            meta["routed_experts"] = routed_experts_int32(rows)
+            meta["routed_experts_start_len"] = body.routed_experts_start_len
         return {
             "text": choice.text[start.text :],
             "output_ids": choice.token_ids[start.tokens :],
@@ -271,6 +276,15 @@ async def start_sglang_generate(pipeline: Pipeline, body: SGLangGenerateRequest)
         )
         for ids, salt in zip(all_ids, body.cache_salts, strict=True)
     ]
+    for prompt in prompts:
+        check_routing_request(
+            runtime,
+            len(prompt.token_ids),
+            asked=body.return_routed_experts,
+            start=body.routed_experts_start_len,
+            param="return_routed_experts",
+            start_param="routed_experts_start_len",
+        )
     if body.logprob_start_len >= 0 and any(
         body.logprob_start_len >= len(prompt.token_ids) for prompt in prompts
     ):

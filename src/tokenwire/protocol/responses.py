@@ -45,6 +45,9 @@ class GenerateChoice(BaseModel):
     delta: JsonObject | None = None
     # With return_sampling_mask: each output token's support ids.
     sampling_mask: list[list[int]] | None = None
+    # With --enable-return-routed-experts, on the final output: vLLM's base64 .npy of
+    # (num_tokens - 1 - routed_experts_prompt_start, layers, top_k) uint8/uint16 expert ids.
+    routed_experts: str | None = None
 
 
 class GenerateResponse(BaseModel):
@@ -176,6 +179,10 @@ class SGLangMetaInfo(BaseModel):
     output_token_sampling_mask: list[list[int]] | None = None
     output_token_sampling_logprobs: list[float] | None = None
     output_token_sampling_mask_length: int | None = None
+    # With ``return_routed_experts``, once finished: base64 of flat int32 expert ids from
+    # ``routed_experts_start_len`` on (reshape to (-1, layers, top_k)).
+    routed_experts: str | None = None
+    routed_experts_start_len: int | None = None
 
 
 class SGLangGenerateResponse(BaseModel):

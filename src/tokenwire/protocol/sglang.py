@@ -42,7 +42,6 @@ UNSUPPORTED_FIELDS = (
     "session_params",
     "token_ids_logprob",
     "return_hidden_states",
-    "return_routed_experts",
 )
 
 
@@ -117,6 +116,10 @@ class SGLangGenerateRequest(RequestModel):
     cache_salt: CacheSalt | list[CacheSalt] | None = None
     # Each output token's sampling support in ``meta_info`` (SGLang's).
     return_sampling_mask: bool = False
+    # Routed experts per token in ``meta_info`` (SGLang's; the server must capture them), from
+    # this absolute position on.
+    return_routed_experts: bool = False
+    routed_experts_start_len: NonNegativeInt64 = 0
     # Refused when set; see UNSUPPORTED_FIELDS.
     image_data: Any = None
     video_data: Any = None
@@ -129,7 +132,6 @@ class SGLangGenerateRequest(RequestModel):
     session_params: Any = None
     token_ids_logprob: Any = None
     return_hidden_states: Any = None
-    return_routed_experts: Any = None
 
     _unsupported = field_validator(*UNSUPPORTED_FIELDS)(_refuse_if_set)
 

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from tokenwire.engine.base import (
@@ -96,6 +97,9 @@ def _merge(items: list[EngineOutput]) -> EngineOutput:
         prompt_token_id_logprobs=first.prompt_token_id_logprobs,
         sampling_masks=[] if any(o.sampling_masks is not None for o in items) else None,
     )
+    routes = [o.routed_experts for o in items if o.routed_experts is not None]
+    if routes:
+        merged.routed_experts = routes[0] if len(routes) == 1 else np.concatenate(routes)
     for o in items:
         merged.new_token_ids.extend(o.new_token_ids)
         if merged.logprobs is not None and o.logprobs:
@@ -130,8 +134,11 @@ class HFEngine:
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         threads: int | None = None,
         allow_nonfinite_weights: bool = False,
+        return_routed_experts: bool = False,
     ) -> None:
-        """``max_loras`` > 0 turns LoRA on: that many adapter versions live at once."""
+        """``max_loras`` > 0 turns LoRA on: that many adapter versions live at once.
+        ``return_routed_experts`` captures an MoE model's routing (``routing``); the model
+        fails to load if it has no expert routers."""
         from transformers import AutoConfig
 
         self.model_dir = Path(model_dir)
@@ -158,6 +165,8 @@ class HFEngine:
         }
         if max_loras:
             features.add("lora")
+        if return_routed_experts:
+            features.add("routed_experts")
         self.features = frozenset(features)
 
         self._runner = ModelRunner(
@@ -170,6 +179,7 @@ class HFEngine:
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
             threads=threads or default_engine_threads(),
+            capture_routing=return_routed_experts,
         )
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._scheduler = Scheduler(

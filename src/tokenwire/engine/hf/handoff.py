@@ -22,6 +22,7 @@ from tokenwire.engine.base import (
 )
 from tokenwire.engine.hf.lora import AdapterWeights
 from tokenwire.engine.hf.multimodal import RequestMedia
+from tokenwire.engine.hf.routing import RouteLog
 from tokenwire.engine.hf.sampling import RowSampler
 
 
@@ -79,6 +80,8 @@ class Request:
     progress: PrefillProgress | None = None
     # The scheduler's prefill clock when it arrived: where it ranks among waiting prefills.
     admitted_at: int = 0
+    # Its context's routed experts, with routing capture on (``routing``).
+    routes: RouteLog | None = None
 
     @property
     def context(self) -> list[int]:

@@ -20,6 +20,9 @@ Eviction: least recently used within a byte budget, per segment. A hit touches i
 leaf to the root, so a parent is always more recent than its children; evicting a segment evicts
 its descendants too (nothing can reach them without it). ``budget_bytes == 0`` disables the cache.
 
+With routing capture on, a segment also holds its tokens' routed experts (``routing``), taken
+from the same forward as their KV: a hit returns them with the KV (``routes``).
+
 Only full blocks are kept, and a hit always leaves at least one prompt token to prefill (its
 logits sample the first token): at most 16 prompt tokens are recomputed. Prompts with images
 bypass the cache (their KV depends on pixels the ids do not name; see the scheduler).
@@ -34,6 +37,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -92,6 +96,7 @@ class _Segment:
     keys: list[bytes]
     parent: tuple[_Segment, int] | None  # (segment, index of the block this one follows)
     nbytes: int
+    routes: np.ndarray | None  # [16 * blocks, layers, top_k] with routing capture on
     children: list[_Segment] = field(default_factory=list)
 
 
@@ -153,6 +158,14 @@ class PrefixCache:
             for i in range(len(parts[0]))
         ]
 
+    def routes(self, keys: Sequence[bytes]) -> np.ndarray:
+        """The routed experts of the cached blocks ``keys`` (all cached, kept with routes)."""
+        parts = []
+        for seg, upto in reversed(self._path(self._index[keys[-1]])):
+            assert seg.routes is not None, "a block kept without routes under routing capture"
+            parts.append(seg.routes[: (upto + 1) * BLOCK_TOKENS])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
     def stats(self) -> dict[str, int]:
         """The counters, named as the engine's metrics."""
         return {
@@ -163,26 +176,38 @@ class PrefixCache:
             "prefix_cache_evicted_bytes": self.evicted_bytes,
         }
 
-    def keep(self, keys: Sequence[bytes], length: int, source: Callable[[], RowKV]) -> None:
-        """Store the blocks ``keys`` of a row that holds ``length`` tokens' KV.
+    def keep(
+        self,
+        keys: Sequence[bytes],
+        length: int,
+        source: Callable[[], RowKV],
+        routes: np.ndarray | None = None,
+    ) -> None:
+        """Store the blocks ``keys`` of a row that holds ``length`` tokens' KV (and, with
+        routing capture on, ``routes``: those tokens' routed experts).
 
-        The cache is an optimisation: a row whose KV does not have ``length`` tokens is not
-        kept, and a failed copy (out of memory) is logged and fails no request.
+        The cache is an optimisation: a row whose KV (or routes) does not have ``length``
+        tokens is not kept, and a failed copy (out of memory) is logged and fails no request.
         """
         if not keys or not self.enabled or self.match(keys) == len(keys):
+            return
+        if routes is not None and len(routes) != length:
             return
         try:
             row = source()
             if row.length == length:
-                self._store(keys, row)
+                self._store(keys, row, routes)
         except Exception:
             logger.exception("prefix cache: could not keep a row")
 
-    def _store(self, keys: Sequence[bytes], source: RowKV) -> None:
+    def _store(self, keys: Sequence[bytes], source: RowKV, routes: np.ndarray | None) -> None:
         """Keep the blocks ``keys`` (of the row in ``source``) that are not cached yet."""
         start = self.match(keys)
-        kv = source.take(start * BLOCK_TOKENS, len(keys) * BLOCK_TOKENS)
+        lo, hi = start * BLOCK_TOKENS, len(keys) * BLOCK_TOKENS
+        kv = source.take(lo, hi)
+        kept_routes = routes[lo:hi].copy() if routes is not None else None
         nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
+        nbytes += kept_routes.nbytes if kept_routes is not None else 0
         parent = self._index[keys[start - 1]] if start else None
         path = self._path(parent) if parent is not None else []
         keep = {id(seg) for seg, _ in path}
@@ -193,7 +218,7 @@ class PrefixCache:
                 self._evict(seg)
         if self.bytes + nbytes > self.budget_bytes:
             return
-        segment = _Segment(kv, list(keys[start:]), parent, nbytes)
+        segment = _Segment(kv, list(keys[start:]), parent, nbytes, kept_routes)
         if parent is not None:
             parent[0].children.append(segment)
         for i, key in enumerate(segment.keys):

@@ -18,6 +18,7 @@ import torch
 from tokenwire.engine.base import EngineError, TokenLogprob, WeightsError
 from tokenwire.engine.eos import eos_token_ids, generation_eos
 from tokenwire.engine.hf import invariance
+from tokenwire.engine.hf.expert_weights import expert_views
 from tokenwire.engine.hf.handoff import PrefillProgress, Request
 from tokenwire.engine.hf.host_memory import return_free_heap_to_os
 from tokenwire.engine.hf.kv_cache import PaddedBatchCache
@@ -25,6 +26,7 @@ from tokenwire.engine.hf.lora import AdapterSlots
 from tokenwire.engine.hf.mrope import prefill_positions
 from tokenwire.engine.hf.multimodal import RequestMedia, VisionSpec, prefill_media_kwargs
 from tokenwire.engine.hf.prefix_cache import LayerKV, RowKV
+from tokenwire.engine.hf.routing import RoutingCapture
 from tokenwire.engine.hf.sampling import RowSampler, SampleResult, sample, token_logprobs
 from tokenwire.engine.stopping import suppressed_ids
 from tokenwire.engine.weight_rules import Layout, check_tensors
@@ -100,6 +102,7 @@ class ModelRunner:
         max_loras: int = 0,
         max_lora_rank: int = 0,
         threads: int,
+        capture_routing: bool = False,
     ) -> None:
         self.model_dir = model_dir
         self.threads = threads
@@ -118,6 +121,11 @@ class ModelRunner:
         self._row_padding = invariance.RowPadding(1)  # load() probes the real block
         self._max_loras, self._max_lora_rank = max_loras, max_lora_rank
         self.adapters: AdapterSlots | None = None  # with LoRA on, once loaded
+        self._capture_routing = capture_routing
+        self.routing: RoutingCapture | None = None  # with capture on, once loaded
+        # Fused expert weights: their per-expert views by checkpoint name.
+        self._expert_parts: dict[str, dict[str, torch.Tensor]] = {}
+        self._part_names: frozenset[str] = frozenset()
 
     def load(self) -> None:
         """Load the weights, read vocab size and eos ids, and warm up."""
@@ -143,9 +151,14 @@ class ModelRunner:
             generation_eos(self.model_dir), getattr(text_config, "eos_token_id", None)
         )
         self.model = model
-        # Every weight by its checkpoint name (tied ones under both), read once: new weights
-        # are checked against its shapes (``layout``) and copied into it.
+        # Every weight by its checkpoint name (tied ones under both; fused experts under their
+        # per-expert names too), read once: new weights are checked against its shapes
+        # (``layout``) and copied into it.
         self.weights: dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
+        self._expert_parts = expert_views(model)
+        for parts in self._expert_parts.values():
+            self.weights.update(parts)
+        self._part_names = frozenset(n for parts in self._expert_parts.values() for n in parts)
         self.layout = {name: tuple(weight.shape) for name, weight in self.weights.items()}
         if self._max_loras:
             # One slot beyond --max-loras: a load fills it before the version it replaces
@@ -157,6 +170,8 @@ class ModelRunner:
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._num_layers = int(text_config.num_hidden_layers)
+        if self._capture_routing:
+            self.routing = RoutingCapture(model)
         self.reset_cache()
         self._warm_up()
 
@@ -175,10 +190,17 @@ class ModelRunner:
             self.copy_weight(name, tensor)
 
     def missing_weights(self, given: Collection[str]) -> list[str]:
-        """The model's weights ``given`` leaves out; a tied weight is given with its twin."""
-        params = self.weights
-        storages = {params[name].data_ptr() for name in given if name in params}
-        return [n for n, p in params.items() if n not in given and p.data_ptr() not in storages]
+        """The model's weights ``given`` leaves out; a tied weight is given with its twin, a
+        fused expert weight with all its per-expert parts (which are never missing themselves:
+        they are other names of it)."""
+        params, parts, given = self.weights, self._part_names, set(given)
+        storages = {params[n].data_ptr() for n in given if n in params and n not in parts}
+        whole = {n for n, views in self._expert_parts.items() if all(v in given for v in views)}
+        return [
+            n
+            for n, p in params.items()
+            if n not in given and n not in parts and n not in whole and p.data_ptr() not in storages
+        ]
 
     def copy_weight(self, name: str, tensor: torch.Tensor) -> None:
         """One checked tensor into the model (engine thread only)."""
@@ -261,6 +283,11 @@ class ModelRunner:
         last_logits, hidden = self._prefill_forward(
             group, ids, mask, positions, cache, wants_prompt
         )
+        if self.routing is not None:
+            routes = self.routing.take().reshape(n, p, *self.routing.row_shape)
+            for i, (req, context, c) in enumerate(zip(group, contexts, cached, strict=True)):
+                assert req.routes is not None
+                req.routes.add(c, routes[i, p - len(context) :])
         for req in group:
             req.media = None  # the pixels live in the KV cache now; free them for long decodes
         scores = None
@@ -297,6 +324,9 @@ class ModelRunner:
         last_logits, hidden = self._prefill_forward(
             [req], ids, mask, positions, progress.cache, wants_prompt
         )
+        if self.routing is not None:
+            assert req.routes is not None
+            req.routes.add(start, self.routing.take())
         if hidden is not None:
             if progress.scores is None:
                 progress.scores = PromptScores()
@@ -401,6 +431,11 @@ class ModelRunner:
             **{self._cache_kwarg: cache},
         )
         cache.commit(1)
+        if self.routing is not None:
+            routes = self.routing.take()
+            for i, r in enumerate(rows):
+                assert r.routes is not None
+                r.routes.add(len(r.prompt) + len(r.output) - 1, routes[i : i + 1])
         return out.logits[:, -1].float()
 
     def _select_adapters(self, rows: list[Request]) -> None:

@@ -46,6 +46,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tokenwire.engine.base import (
@@ -75,6 +76,7 @@ from tokenwire.engine.hf.handoff import (
     deliver,
 )
 from tokenwire.engine.hf.prefix_cache import BLOCK_TOKENS, LayerKV, PrefixCache, block_keys
+from tokenwire.engine.hf.routing import RouteLog
 from tokenwire.engine.hf.runner import ModelRunner, PromptScores
 from tokenwire.engine.stopping import check_stop
 
@@ -274,6 +276,8 @@ class Scheduler:
             # KV under another adapter version must never answer this one's lookups.
             req.salt = hashlib.blake2b(req.salt + live.salt, digest_size=16).digest()
         req.admitted_at = self._prefill_clock
+        if self.runner.routing is not None:
+            req.routes = RouteLog()
         self.waiting.append(req)
 
     def _load_adapter(self, cmd: LoadAdapter) -> None:
@@ -376,7 +380,12 @@ class Scheduler:
     def _output(
         self, req: Request, token_ids: list[int], finish: FinishReason | None = None
     ) -> EngineOutput:
-        return EngineOutput(token_ids, finish_reason=finish, weight_version=self._version(req))
+        return EngineOutput(
+            token_ids,
+            finish_reason=finish,
+            weight_version=self._version(req),
+            routed_experts=req.routes.unsent() if req.routes is not None else None,
+        )
 
     def _apply_aborts(self, ids: set[str], emits: Emits) -> None:
         kept: deque[Request] = deque()
@@ -511,7 +520,10 @@ class Scheduler:
         """The prefix cache's KV of the ``num_cached`` tokens ``_next_group`` matched."""
         if not req.num_cached:
             return None
-        return self.prefix.fetch(self._context_keys(req)[: req.num_cached // BLOCK_TOKENS])
+        keys = self._context_keys(req)[: req.num_cached // BLOCK_TOKENS]
+        if req.routes is not None:  # the cached positions' routing comes with their KV
+            req.routes.add(0, self.prefix.routes(keys))
+        return self.prefix.fetch(keys)
 
     def _prefill_step(self, group: list[Request], emits: Emits) -> None:
         """Prefill a group ``_take`` took off the queue (or a chunk of its one context)."""
@@ -536,10 +548,13 @@ class Scheduler:
             return
         for i, req in enumerate(group):
             req.stale_kv = False
+            if req.routes is not None and req.routes.kv_differs:
+                continue  # a recomputation routed otherwise: its KV has no rows to keep with
             self.prefix.keep(
                 self._context_keys(req),
                 len(req.context),
                 lambda i=i: self.runner.prefilled_row(prefilled, i),
+                self._routes(req),
             )
         self._sample_and_emit(group, prefilled.logits, emits, first=True, prompt=prefilled.prompt)
         alive = [i for i, r in enumerate(group) if r.finish is None]
@@ -580,6 +595,7 @@ class Scheduler:
                 stop_reason=stop_reason,
                 weight_version=self._version(req),
                 sampling_masks=[support] if support is not None else None,
+                routed_experts=req.routes.unsent() if req.routes is not None else None,
             )
             if first and is_first:
                 out.num_prompt_tokens = len(req.prompt)
@@ -643,6 +659,13 @@ class Scheduler:
         req = self.running[row]
         if req.stale_kv or not req.output or not self._context_keys(req):
             return
+        if req.routes is not None and req.routes.kv_differs:
+            return
         tokens = [*req.prompt, *req.output[:-1]]
         keys = block_keys(tokens, req.prompt_keys or (), salt=req.salt)
-        self.prefix.keep(keys, len(tokens), lambda: self.runner.running_row(row))
+        self.prefix.keep(keys, len(tokens), lambda: self.runner.running_row(row), self._routes(req))
+
+    @staticmethod
+    def _routes(req: Request) -> np.ndarray | None:
+        """The routing rows kept beside a request's KV (None: capture is off)."""
+        return req.routes.rows() if req.routes is not None and req.routes.length else None
