@@ -68,6 +68,8 @@ class Extension:
     extended: bool
     reason: str | None
     kept_tokens: int  # how many of previous_token_ids lead token_ids
+    # Extended with the history kept as sent: why the template's full render would differ.
+    render_differs: str | None = None
 
 
 async def extend_chat(pipeline: Pipeline, body: ExtendRequest) -> dict[str, Any]:
@@ -106,7 +108,7 @@ def extend_ids(
             kept, closing = close_previous_turn(pipeline, runtime, previous, boundary)
             token_ids = [*previous[:kept], *closing, *boundary.suffix_ids]
             reason = None if boundary.differs is None else f"{boundary.differs} (kept as sent)"
-            return Extension(token_ids, True, reason, kept)
+            return Extension(token_ids, True, reason, kept, boundary.differs)
         reason = boundary.differs
     except NotExtendable as exc:
         reason = str(exc)

@@ -76,6 +76,9 @@ class SessionTurn:
     messages: list[dict[str, Any]]
     context: str
     reply_id: str  # the answer's id (what a stateful form names to continue from it)
+    # Why the chat template's full render of this prompt's history would differ from the
+    # recorded ids (the prompt extends them anyway); None: it would not, or it is that render.
+    render_differs: str | None = None
     recorded: Recorded | None = field(default=None)
 
     async def record(self, choice: Choice, reply: dict[str, Any]) -> None:
@@ -88,6 +91,7 @@ class SessionTurn:
             "logprobs": [entry.logprob for entry in choice.logprobs or ()],
             "finish_reason": choice.finish_reason,
             "weight_versions": choice.weight_versions.spans,
+            "render_differs": self.render_differs,
         }
         turn = NewTurn(
             self.head,
@@ -137,6 +141,7 @@ async def session_prompt(
     if chat_media_refs(body.messages) and head is not None and reason is None:
         reason = "the messages carry media, which extend does not take: rendered in full"
     prompt: ChatPrompt | None = None
+    render_differs: str | None = None
     if head is not None and reason is None:
         request = ExtendRequest.model_validate(
             {
@@ -156,13 +161,23 @@ async def session_prompt(
                 pipeline, runtime, body, extended.token_ids, param="messages", record=True
             )
             prompt = ChatPrompt(chat_request_id(body), None, ids)
+            render_differs = extended.render_differs
         else:
             reason = extended.reason or "extend dropped some of the previous turn's ids"
     if prompt is None:
         prompt = await chat_prompt(pipeline, runtime, body, record=True)
     segment = 0 if head is None else head.segment + (reason is not None)
     turn = SessionTurn(
-        store, key, dialect, head, segment, reason, messages, context, prompt.request_id
+        store,
+        key,
+        dialect,
+        head,
+        segment,
+        reason,
+        messages,
+        context,
+        prompt.request_id,
+        render_differs,
     )
     return prompt, turn
 
