@@ -448,7 +448,7 @@ def test_a_fused_layer_loads_once_all_its_tensors_came(
 
 
 # The trainer names ``announced`` and broadcasts ``sent`` (name, dtype) in their place; what the
-# 400 says. A larger broadcast is gloo's abort (in the hf engine's group process), a shorter one
+# 400 says. A larger broadcast is gloo's abort (in the group's own process), a shorter one
 # the sentinel at the buffer's end, NaN the values check.
 NORM = "model.layers.0.input_layernorm.weight"  # 576 values
 QUERY = "model.layers.0.self_attn.q_proj.weight"  # 576 x 576
@@ -468,8 +468,6 @@ def test_a_trainer_that_sends_other_tensors_than_it_named(
     """A 400 naming what was wrong; the server alive, streams started before the update
     finish, the weights the base's (the call never reached the model); after gloo's abort
     a new group takes a complete update."""
-    if SESSION_ENGINE["kind"] == "vllm" and "more bytes" in MISSENT[case][2]:
-        pytest.skip("vLLM's worker holds the group itself: gloo's abort ends the engine")
     params = dict(base_params(base_dir))
     announced, sent, message = MISSENT[case]
     streams = [Stream(rl_server, prompt_ids, max_tokens=16, ignore_eos=True) for _ in range(3)]
@@ -530,9 +528,9 @@ def test_the_framework_forms_refuse_a_missent_tensor_and_take_a_complete_update(
     the path SGLang's form does: a trainer that broadcasts other bytes than it announced gets a
     400, the server stays up, a stream in flight finishes, the base weights stay. Then AReaL's
     two steps carry a complete update, each bucket announced and received in turn."""
-    # On the hf engine, the larger broadcast (gloo's abort, in its group process); vLLM's worker
-    # holds the group itself, where that abort ends the engine: the shorter one there.
-    case = "smaller" if SESSION_ENGINE["kind"] == "vllm" else "larger"
+    # The larger broadcast: gloo's abort, in the group's process (the hf engine's, or the one
+    # vLLM's worker starts), never in the engine.
+    case = "larger"
     params = dict(base_params(base_dir))
     announced, sent, message = MISSENT[case]
     named = [_tensor(params, entry) for entry in announced]

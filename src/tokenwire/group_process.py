@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -43,6 +43,11 @@ _LEAVE_S = 10.0
 class GroupLost(RuntimeError):
     """The group is gone: a broadcast broke off, or its process ended; nothing of the call
     was handed over."""
+
+
+class GroupAborted(GroupLost):
+    """gloo ended the group's process: the call carried more bytes than announced (a refusal
+    of what the trainer sent, not a trainer gone)."""
 
 
 class Group(Protocol):
@@ -82,14 +87,15 @@ class GroupProcess:
         self._process = context.Process(
             target=_serve, args=(child_end, join), name="tokenwire-weight-group", daemon=True
         )
-        self._process.start()
+        with _children_allowed():
+            self._process.start()
         child_end.close()  # the child's end lives in the child only: its exit is our EOF
         failure = "the group's process did not start"
         try:
             if self._conn.poll(join["timeout_s"] + _START_S):
                 failure = self._conn.recv()
         except (EOFError, OSError):
-            failure = self._ending()
+            failure = str(self._ending())
         if failure is not None:
             self.close()
             raise GroupJoinError(failure)
@@ -107,7 +113,7 @@ class GroupProcess:
             self._conn.send((tuple(metas), packed, buffer_size_bytes, allow_nonfinite))
             kind, value = self._conn.recv()
         except (EOFError, OSError):
-            raise GroupLost(self._ending()) from None
+            raise self._ending() from None
         if kind == "refused":
             raise ReceivedTensorError(value)
         if kind == "lost":
@@ -126,16 +132,30 @@ class GroupProcess:
             self._process.join()
         self._conn.close()
 
-    def _ending(self) -> str:
+    def _ending(self) -> GroupLost:
         """Why the child ended, as far as this process can tell."""
         self._process.join(_LEAVE_S)
         code = self._process.exitcode
         if code == -signal.SIGABRT:
-            return (
+            return GroupAborted(
                 "a broadcast carried more bytes than announced (a tensor sent in another "
                 "order than named, or in a wider dtype), and gloo ended the group's process"
             )
-        return f"the group's process ended (exit code {code})"
+        return GroupLost(f"the group's process ended (exit code {code})")
+
+
+@contextlib.contextmanager
+def _children_allowed() -> Iterator[None]:
+    """Let this process start a child even if it is itself a daemon (vLLM's engine core is,
+    and its worker holds the group there); multiprocessing refuses a daemon children only so
+    that none outlives its parent, and this child ends with its pipe (``_serve``)."""
+    config = mp.current_process()._config  # type: ignore[attr-defined]
+    daemon = config.pop("daemon", None)
+    try:
+        yield
+    finally:
+        if daemon is not None:
+            config["daemon"] = daemon
 
 
 def _serve(conn: Any, join: dict[str, Any]) -> None:
@@ -148,7 +168,7 @@ def _serve(conn: Any, join: dict[str, Any]) -> None:
         return
     conn.send(None)
     buffer = torch.empty(0, dtype=torch.uint8)
-    while (request := conn.recv()) is not None:
+    while (request := _next_call(conn)) is not None:
         metas, packed, buffer_size_bytes, allow_nonfinite = request
         size = receive_nbytes(metas, packed=packed, buffer_size_bytes=buffer_size_bytes)
         # One buffer for every call, grown as needed: fresh shared memory per call took 1.0 s
@@ -174,6 +194,14 @@ def _serve(conn: Any, join: dict[str, Any]) -> None:
             conn.send(("lost", f"the weight broadcast broke off: {exc}"))
             return
         conn.send(("received", buffer))
+
+
+def _next_call(conn: Any) -> Any:
+    """The parent's next request; None when it asks to leave or is gone (its end closed)."""
+    try:
+        return conn.recv()
+    except (EOFError, OSError):
+        return None
 
 
 class LocalGroup:

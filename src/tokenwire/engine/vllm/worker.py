@@ -3,9 +3,12 @@
 This module is imported inside vLLM's worker processes, which have tokenwire installed beside
 vLLM; ``collective_rpc("tokenwire_reload_weights", ...)`` calls the method on every worker.
 
-Weights from a trainer's group (``tokenwire.weight_transfer``) come in here too: each update's
-tensors are received into new tensors first, so a broadcast that breaks off leaves the model as
-it was, and only then loaded through vLLM's in-place reload (which repacks them for its kernels).
+Weights from a trainer's group (``tokenwire.weight_transfer``) come in here too: the group is
+held by ``tokenwire.group_process`` (gloo: in a child process of this worker, so a broadcast
+longer than announced, which gloo answers with ``std::terminate``, ends that child and not
+vLLM's engine); each update's tensors are received whole first, so a broadcast that breaks off
+leaves the model as it was, and only then loaded through vLLM's in-place reload (which repacks
+them for its kernels).
 vLLM fuses some checkpoint tensors into one layer (q/k/v into ``qkv_proj``) and its reload
 rebuilds a layer from what it is given, so a layer loads only once all of its tensors came (in
 this update or an earlier one); until then they wait here.
@@ -120,24 +123,23 @@ class TokenwireWorkerExtension:
         """Join the trainer's group: ``spec`` is ``join_group``'s keywords (a ``WeightGroup``).
         Returns why it did not form (None: it did), in ``join_group``'s words only: vLLM's RPC
         error would carry this process's details to the client."""
-        from tokenwire.weight_transfer import GroupJoinError, join_group
+        from tokenwire.group_process import open_group
+        from tokenwire.weight_transfer import GroupJoinError
 
         if self._tokenwire_group is not None:
             return "a weight-transfer group is already open"
         try:
-            self._tokenwire_group = join_group(**spec)
+            self._tokenwire_group = open_group(self.device, **spec)
         except GroupJoinError as exc:
             return str(exc)
         return None
 
     def tokenwire_leave_group(self) -> None:
         """Leave the group; tensors received over it and still waiting are dropped."""
-        from tokenwire.weight_transfer import leave_group
-
         group, self._tokenwire_group = self._tokenwire_group, None
         self._tokenwire_staged = {}
         if group is not None:
-            leave_group(group)
+            group.close()
 
     def tokenwire_receive_weights(
         self,
@@ -155,7 +157,7 @@ class TokenwireWorkerExtension:
             packed,
             buffer_size_bytes,
             allow_nonfinite,
-            lambda r: self._tokenwire_load(r.items()),
+            lambda r: self._tokenwire_load(r.items(), borrowed=True),
         )
 
     def tokenwire_receive_tensors(
@@ -196,34 +198,25 @@ class TokenwireWorkerExtension:
         buffer_size_bytes: int,
         allow_nonfinite: bool,
     ) -> dict[str, Any]:
-        """The group is held here, in vLLM's worker (not in ``tokenwire.group_process``'s
-        child): a broadcast longer than announced still aborts this process."""
-        import torch
-
-        from tokenwire.weight_transfer import (
-            ReceivedTensorError,
-            TensorMeta,
-            dtype_named,
-            receive,
-            receive_nbytes,
-        )
+        """One call's tensors, checked; they live in the group's buffer until its next call."""
+        from tokenwire.group_process import GroupAborted
+        from tokenwire.weight_transfer import ReceivedTensorError, TensorMeta, dtype_named
 
         group = self._tokenwire_group
         if group is None:
             raise RuntimeError("no weight-transfer group is open")
         metas = [TensorMeta(n, dtype_named(d), tuple(s)) for n, d, s in tensors]  # type: ignore[arg-type]
-        size = receive_nbytes(metas, packed=packed, buffer_size_bytes=buffer_size_bytes)
-        buffer = torch.zeros(size, dtype=torch.uint8, device=self.device)
         try:
-            return receive(
+            return group.receive(
                 metas,
-                group,
-                buffer,
                 packed=packed,
                 buffer_size_bytes=buffer_size_bytes,
                 allow_nonfinite=allow_nonfinite,
             )
         except ReceivedTensorError as exc:  # in step, but not what was announced
+            self.tokenwire_leave_group()
+            raise _Refused(str(exc)) from exc
+        except GroupAborted as exc:  # more bytes than announced: gloo ended the group's process
             self.tokenwire_leave_group()
             raise _Refused(str(exc)) from exc
         except Exception as exc:  # the trainer died or stalled past the group's timeout
@@ -237,14 +230,18 @@ class TokenwireWorkerExtension:
 
         return self._tokenwire_load((n, t.to(self.device)) for n, t in load(data).items())
 
-    def _tokenwire_load(self, tensors: Iterable[tuple[str, Any]]) -> list[str]:
+    def _tokenwire_load(
+        self, tensors: Iterable[tuple[str, Any]], *, borrowed: bool = False
+    ) -> list[str]:
         """Stage ``tensors``, load the layers now complete in one in-place reload, and return
-        the names still waiting."""
+        the names still waiting. ``borrowed``: the tensors live in the group's buffer, which
+        its next call overwrites: those left waiting are copied out."""
         layer_of = self._tokenwire_layer_of
         staged = self._tokenwire_staged
         if layer_of is None or staged is None:
             raise RuntimeError("tokenwire_weight_layers was not called")
-        staged.update(tensors)
+        given = dict(tensors)
+        staged.update(given)
         waiting_layers = {layer_of[n] for n in layer_of if n not in staged}
         ready = [(n, t) for n, t in staged.items() if layer_of[n] not in waiting_layers]
         if ready:
@@ -260,6 +257,9 @@ class TokenwireWorkerExtension:
             finally:
                 reload_logger.setLevel(level)
             self._repack_tied_head()
+        if borrowed:
+            for name in given.keys() & staged.keys():
+                staged[name] = staged[name].clone()
         return sorted(staged)
 
 
