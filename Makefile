@@ -107,8 +107,9 @@ bench-vllm: install install-vllm
 	$(VLLM_ENV) $(VPY) bench/bench_weight_transfer.py --engine vllm
 	$(PY) bench/bench_engines.py --vllm-python $(VPY)
 
-# The RL frameworks' own weight senders against a real server (tests/frameworks), in a venv of
-# their own: their wheels are test dependencies, never runtime ones. They ask for Python 3.12
+# The RL frameworks' own weight senders and the agent harnesses' structured outputs against a
+# real server (tests/frameworks), in a venv of their own: their wheels are test dependencies,
+# never runtime ones. They ask for Python 3.12
 # and pin half of PyPI, so they go in --no-deps; FRAMEWORK_DEPS is what the senders' imports
 # need, found by importing them (ray: skyrl-train's pin; omegaconf, hydra-core: AReaL's).
 FRAMEWORKS_VENV := .venv-frameworks

@@ -51,8 +51,10 @@ class Season(enum.StrEnum):
     WINTER = "winter"
 
 
+# Its schema (pydantic's) has the enum under $defs, referred to by $ref; the docstring is the
+# schema's description, which the harnesses show the model.
 class Trip(BaseModel):
-    """Pydantic puts the enum under ``$defs`` and refers to it by ``$ref``."""
+    """A short trip: which city, for how many days, in which season."""
 
     city: str = Field(min_length=1, max_length=32)
     days: int = Field(ge=1, le=7)
