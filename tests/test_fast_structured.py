@@ -327,6 +327,42 @@ def test_responses_tool_choice_required(fast_qwen3: FastApp) -> None:
     assert not accepts(fast_qwen3, last_grammar(fast_qwen3), "3")
 
 
+def test_tool_parameters_with_local_refs(fast_qwen3: FastApp) -> None:
+    """A tool's ``$ref`` pointers name its own parameters schema: pydantic's ``$defs`` (every
+    enum and nested model; pydantic-ai's output tool is one), draft-07 ``definitions`` and a
+    recursive ``#``, each tool's own even where two use one name for different things. Nested
+    in the grammar's document they once named its root: a 400, "Pointer '/$defs/Season' does
+    not exist"."""
+    season = {
+        "$defs": {"Season": {"enum": ["spring", "summer"], "type": "string"}},
+        "type": "object",
+        "properties": {"season": {"$ref": "#/$defs/Season"}},
+        "required": ["season"],
+    }
+    digit = {
+        "definitions": {"Season": {"type": "integer"}},
+        "type": "object",
+        "properties": {"n": {"$ref": "#/definitions/Season"}, "next": {"$ref": "#"}},
+        "required": ["n"],
+    }
+    tools = [
+        {"type": "function", "function": {"name": name, "parameters": params}}
+        for name, params in (("trip", season), ("count", digit))
+    ]
+    call = '<tool_call>\n{{"name": "{}", "arguments": {}}}\n</tool_call>'.format
+    trip = call("trip", '{"season": "summer"}')
+    scripted(fast_qwen3, trip)
+    body = {"messages": HELLO, "max_tokens": 64, "tools": tools, "tool_choice": "required"}
+    answer = post(fast_qwen3, "/v1/chat/completions", body)
+    assert answer["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "trip"
+    grammar = last_grammar(fast_qwen3)
+    for text in (trip, call("count", '{"n": 1, "next": {"n": 2}}')):
+        assert accepts(fast_qwen3, grammar, text), text
+    for text in (call("trip", '{"season": "winter"}'), call("count", '{"n": "summer"}')):
+        assert not accepts(fast_qwen3, grammar, text), text
+    assert not accepts(fast_qwen3, grammar, call("count", '{"n": 1, "next": {"n": "x"}}'))
+
+
 def test_reasoning_comes_before_the_constraint(fast_qwen3: FastApp) -> None:
     """With the qwen3 reasoning parser the model may think first (vLLM starts the grammar at
     the end of reasoning too); a prompt that closed the block leaves no reasoning."""

@@ -94,11 +94,11 @@ def tool_calls_lark(
     alternatives = [
         {
             "type": "object",
-            "properties": {"name": {"const": name}, arguments: _object_schema(params)},
+            "properties": {"name": {"const": name}, arguments: _object_schema(params, index)},
             "required": ["name", arguments],
             "additionalProperties": False,
         }
-        for name, params in spec["tools"]
+        for index, (name, params) in enumerate(spec["tools"])
     ]
     body = json.dumps({"anyOf": alternatives, "x-guidance": options})
     if spec["format"] == "hermes":
@@ -131,8 +131,14 @@ def _tag(tag: str, added_tokens: frozenset[str]) -> str:
     return tag if tag in added_tokens else json.dumps(tag)
 
 
-def _object_schema(params: Any) -> Any:
-    """A tool's parameters schema (a JSON object whatever it says, as the parsers want)."""
+def _object_schema(params: Any, index: int) -> Any:
+    """A tool's parameters schema (a JSON object whatever it says, as the parsers want), as a
+    schema resource of its own: its local ``$ref`` pointers (``#/$defs/...``, pydantic's for
+    every enum and nested model; ``#/definitions/...``; ``#``) name its own root, and nested
+    in the grammar's document they would name that document's (a 400: "Pointer '/$defs/...'
+    does not exist"). An ``$id`` makes the tool's root theirs again; one it has is kept."""
     if not isinstance(params, dict) or not params:
         return {"type": "object"}
-    return params
+    if "$id" in params:
+        return params
+    return {"$id": f"urn:tokenwire:tool:{index}", **params}
