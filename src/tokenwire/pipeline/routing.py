@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -47,6 +48,20 @@ def check_routing_request(
             f"inclusive; got {start}",
             start_param,
         )
+
+
+def routing_start(runtime: ModelRuntime, prompt_lens: Iterable[int], start: int) -> int | None:
+    """Where the routing of an OpenAI route's choices starts (vLLM 0.33's
+    ``routed_experts_prompt_start``), checked against every prompt; None: the server does not
+    capture, and its choices carry none."""
+    if not captures_routing(runtime):
+        return None
+    param = "routed_experts_prompt_start"
+    for length in prompt_lens:
+        check_routing_request(
+            runtime, length, asked=False, start=start, param=param, start_param=param
+        )
+    return start
 
 
 def routed_experts_npy(rows: np.ndarray | None) -> str | None:
