@@ -13,11 +13,14 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tokenwire.pipeline.context import ModelRuntime
 from tokenwire.pipeline.errors import InvalidRequest
+
+if TYPE_CHECKING:  # the session store encodes routes too, and the context imports the store
+    from tokenwire.pipeline.context import ModelRuntime
 
 FEATURE = "routed_experts"
 
@@ -71,6 +74,12 @@ def routed_experts_npy(rows: np.ndarray | None) -> str | None:
     with io.BytesIO() as buffer:
         np.save(buffer, rows, allow_pickle=False)
         return base64.b64encode(buffer.getbuffer()).decode("ascii")
+
+
+def routes_of_npy(value: str) -> np.ndarray:
+    """``routed_experts_npy`` read back (the server's own copy of the client's decoder: the
+    server does not import the client)."""
+    return np.load(io.BytesIO(base64.b64decode(value)), allow_pickle=False)
 
 
 def routed_experts_int32(rows: np.ndarray | None) -> str | None:
