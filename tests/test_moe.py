@@ -282,6 +282,35 @@ def test_acceptance_32_seeded_requests_replay_token_by_token(
         _check_choice(moe_model, prompt, choice)
 
 
+def test_completions_return_routing_from_its_start_whole_and_streamed(
+    moe: httpx.Client, moe_model: Any
+) -> None:
+    """vLLM 0.33's ``routed_experts_prompt_start`` and ``routed_experts`` on /v1/completions;
+    streamed, the routing comes with the choice's last chunk."""
+    prompt = list(range(3000, 3030))
+    body = {
+        "prompt": prompt,
+        "max_tokens": 5,
+        "temperature": 0,
+        "return_token_ids": True,
+        "routed_experts_prompt_start": 7,
+    }
+    whole = moe.post("/v1/completions", json=body)
+    assert whole.status_code == 200, whole.text
+    _check_choice(moe_model, prompt, whole.json()["choices"][0], start=7)
+    streamed: dict[str, Any] = {"token_ids": []}
+    with moe.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                (part,) = orjson.loads(line.removeprefix("data: "))["choices"]
+                streamed["token_ids"] += part["token_ids"]
+                assert ("routed_experts" in part) == (part["finish_reason"] is not None)
+                streamed.update({k: v for k, v in part.items() if k == "routed_experts"})
+    _check_choice(moe_model, prompt, streamed, start=7)
+    bad = moe.post("/v1/completions", json={**body, "routed_experts_prompt_start": 31})
+    assert_error(bad, 400, "routed_experts_prompt_start")
+
+
 def test_sglang_generate_returns_int32_routing_from_its_start(
     moe: httpx.Client, moe_model: Any
 ) -> None:
@@ -312,6 +341,9 @@ def test_routing_asked_of_a_server_that_does_not_capture_is_a_400(qwen3: httpx.C
     quiet = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1}}
     quiet["sampling_params"]["routed_experts_prompt_start"] = 2  # type: ignore[index]
     answer = qwen3.post("/inference/v1/generate", json=quiet)
+    assert answer.status_code == 200 and "routed_experts" not in answer.json()["choices"][0]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    answer = qwen3.post("/v1/chat/completions", json={**chat, "routed_experts_prompt_start": 99})
     assert answer.status_code == 200 and "routed_experts" not in answer.json()["choices"][0]
 
 
