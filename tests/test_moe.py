@@ -10,6 +10,7 @@ hits the prefix cache, one asks from ``routed_experts_prompt_start``.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import Server, assert_error
-from tokenwire.client import decode_routed_experts, decode_sglang_routed_experts
+from tokenwire.client import (
+    AsyncClient,
+    Rollout,
+    RolloutResult,
+    decode_routed_experts,
+    decode_sglang_routed_experts,
+)
 
 LAYERS, TOP_K = 2, 2
 PARITY = 1e-4
@@ -309,6 +316,29 @@ def test_completions_return_routing_from_its_start_whole_and_streamed(
     _check_choice(moe_model, prompt, streamed, start=7)
     bad = moe.post("/v1/completions", json={**body, "routed_experts_prompt_start": 31})
     assert_error(bad, 400, "routed_experts_prompt_start")
+
+
+def test_rollout_gives_the_episode_routing_a_trainer_replays(
+    moe_server: Server, moe_model: Any
+) -> None:
+    """tokenwire.client's Rollout (render, generate, derender, extend): the episode's ids,
+    loss mask, logprobs and routing replay in one forward, as a trainer uses them."""
+
+    async def run() -> RolloutResult:
+        async with AsyncClient(moe_server.url) as client:
+            rollout = Rollout(client, max_turns=2, max_tokens=6, temperature=1.0)
+            asked = [{"role": "user", "content": "Count with me."}]
+            return await rollout.run(asked, lambda turn: [{"role": "user", "content": "More."}])
+
+    result = asyncio.run(run())
+    ids, routing = result.token_ids, result.routing
+    assert len(result.turns) == 2 and result.prefix_breaks == 0 and routing is not None
+    np.testing.assert_array_equal(routing, _router_top_k(moe_model, ids[:-1]))
+    replayed = _replayed_logprobs(moe_model, ids[:-1], routing, keep=len(ids) - 1)
+    sampled = [j for j, bit in enumerate(result.loss_mask) if bit]
+    expected = replayed[[j - 1 for j in sampled], [ids[j] for j in sampled]]
+    served = torch.tensor([result.logprobs[j] for j in sampled])
+    assert torch.allclose(expected, served, atol=PARITY), (expected - served).abs().max()
 
 
 def test_sglang_generate_returns_int32_routing_from_its_start(
