@@ -105,7 +105,7 @@ class SessionTurn:
             [*self.messages, reply],
             self.context,
             self.reply_id,
-            choice.routed_experts(),
+            routes=choice.routed_experts(),
         )
         self.recorded = await self.store.record(self.key.id, self.key.owner, turn)
 
