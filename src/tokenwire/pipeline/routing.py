@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tokenwire.pipeline.context import ModelRuntime
 from tokenwire.pipeline.errors import InvalidRequest
+
+if TYPE_CHECKING:  # the session store encodes routes too, and the context imports the store
+    from tokenwire.pipeline.context import ModelRuntime
 
 FEATURE = "routed_experts"
 
@@ -49,6 +53,20 @@ def check_routing_request(
         )
 
 
+def routing_start(runtime: ModelRuntime, prompt_lens: Iterable[int], start: int) -> int | None:
+    """Where the routing of an OpenAI route's choices starts (vLLM 0.33's
+    ``routed_experts_prompt_start``), checked against every prompt; None: the server does not
+    capture, and its choices carry none."""
+    if not captures_routing(runtime):
+        return None
+    param = "routed_experts_prompt_start"
+    for length in prompt_lens:
+        check_routing_request(
+            runtime, length, asked=False, start=start, param=param, start_param=param
+        )
+    return start
+
+
 def routed_experts_npy(rows: np.ndarray | None) -> str | None:
     """vLLM's ``routed_experts``: ``np.load(io.BytesIO(base64.b64decode(s)))`` reads it back."""
     if rows is None:
@@ -56,6 +74,12 @@ def routed_experts_npy(rows: np.ndarray | None) -> str | None:
     with io.BytesIO() as buffer:
         np.save(buffer, rows, allow_pickle=False)
         return base64.b64encode(buffer.getbuffer()).decode("ascii")
+
+
+def routes_of_npy(value: str) -> np.ndarray:
+    """``routed_experts_npy`` read back (the server's own copy of the client's decoder: the
+    server does not import the client)."""
+    return np.load(io.BytesIO(base64.b64decode(value)), allow_pickle=False)
 
 
 def routed_experts_int32(rows: np.ndarray | None) -> str | None:

@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import orjson
 
 from tokenwire.pipeline.errors import SessionClosed, UnknownSession
+from tokenwire.pipeline.routing import routed_experts_npy
 
 T = TypeVar("T")
 logger = logging.getLogger("tokenwire.sessions")
@@ -133,6 +135,8 @@ class NewTurn:
     messages: list[dict[str, Any]]  # the request's messages and the reply it got
     context: str
     reply_id: str  # the answer's id
+    # The routed experts of its prompt and sampled ids (but the last), with routing capture on.
+    routes: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +279,16 @@ class SessionStore:
         if extends:
             assert based is not None
             prompt = {"prompt_tail": turn.prompt_ids[len(based.token_ids) :]}
-        data = orjson.dumps({**prompt, **turn.data})
+        routing: dict[str, Any] = {}
+        if turn.routes is not None:
+            # Likewise its routing: the rows from the head's last sampled id on (the first
+            # position the previous turn has no row for), vLLM's routed_experts_prompt_start.
+            start = len(based.token_ids) - 1 if extends and based is not None else 0
+            routing = {
+                "routed_experts": routed_experts_npy(turn.routes[start:]),
+                "routed_experts_start": start,
+            }
+        data = orjson.dumps({**prompt, **turn.data, **routing})
         token_ids = [*turn.prompt_ids, *turn.sampled_ids]
         head = Head(turns + 1, segment, token_ids, turn.messages, turn.context, turn.reply_id)
         head_json = head.to_json()

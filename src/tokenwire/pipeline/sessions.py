@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import orjson
 
 from tokenwire.media.refs import chat_media_refs
@@ -27,6 +28,7 @@ from tokenwire.pipeline.dialect import arguments_object
 from tokenwire.pipeline.errors import InvalidRequest, UnknownSession
 from tokenwire.pipeline.extend import extension
 from tokenwire.pipeline.render import ChatPrompt, chat_prompt, chat_request_id, chat_request_prompt
+from tokenwire.pipeline.routing import routed_experts_npy, routes_of_npy
 from tokenwire.pipeline.session_store import Head, NewTurn, Owner, Recorded, SessionStore
 from tokenwire.protocol.extend import ExtendRequest
 from tokenwire.protocol.openai import ChatCompletionRequest
@@ -103,6 +105,7 @@ class SessionTurn:
             [*self.messages, reply],
             self.context,
             self.reply_id,
+            routes=choice.routed_experts(),
         )
         self.recorded = await self.store.record(self.key.id, self.key.owner, turn)
 
@@ -256,13 +259,15 @@ def _key(message: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
 
 async def trajectory(store: SessionStore, session_id: str, owner: Owner) -> dict[str, Any]:
     """``GET /v1/sessions/{id}``: the turns, and each segment's whole ids with its loss mask
-    (1 exactly where a turn's sampled ids sit)."""
+    (1 exactly where a turn's sampled ids sit) and, where its turns recorded them, its routed
+    experts (each turn's rows from its ``routed_experts_start``, joined)."""
     stored = await store.stored(session_id, owner)
     if stored is None:
         raise UnknownSession(f"session {session_id!r} does not exist", "session_id")
     turns = stored.turns
     segments: dict[int, dict[str, Any]] = {}
     turn_json = []
+    routes: dict[int, list[np.ndarray] | None] = {}  # each segment's turns' rows
     previous: list[int] = []  # the last turn's prompt + sampled ids
     for index, turn in enumerate(turns):
         data = dict(turn.data)
@@ -286,9 +291,23 @@ async def trajectory(store: SessionStore, session_id: str, owner: Owner) -> dict
         mask.extend([0] * (len(prompt) - len(mask)))
         mask.extend([1] * len(sampled))
         segment["token_ids"] = previous
+        routes[turn.segment] = _joined_routes(routes.get(turn.segment, []), data)
+    for index, rows in routes.items():
+        if rows is not None:
+            segments[index]["routed_experts"] = routed_experts_npy(np.concatenate(rows))
     return {
         "id": session_id,
         "closed": stored.closed,
         "turns": turn_json,
         "segments": list(segments.values()),
     }
+
+
+def _joined_routes(rows: list[np.ndarray] | None, turn: dict[str, Any]) -> list[np.ndarray] | None:
+    """A segment's rows so far with ``turn``'s appended; None where a turn has none (recorded
+    without capture) or its rows do not start where the segment's end."""
+    if rows is None or "routed_experts" not in turn:
+        return None
+    if turn["routed_experts_start"] != sum(len(part) for part in rows):
+        return None
+    return [*rows, routes_of_npy(turn["routed_experts"])]

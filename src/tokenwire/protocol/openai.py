@@ -64,6 +64,9 @@ class SamplingFields(RequestModel):
     # "token_id:N" instead of their text.
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    # vLLM 0.33's: with --enable-return-routed-experts, each choice's routed_experts starts at
+    # this prompt position (ignored by a server that does not capture, as vLLM).
+    routed_experts_prompt_start: NonNegativeInt64 = 0
     # Structured outputs (at most one): OpenAI's response_format (text, json_object,
     # json_schema), vLLM's structured_outputs and its older guided_* fields.
     response_format: dict[str, Any] | None = None

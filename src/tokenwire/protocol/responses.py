@@ -88,6 +88,8 @@ class ChatChoice(BaseModel):
     logprobs: JsonObject | None = None
     finish_reason: str | None
     token_ids: list[int] | None = None  # with return_token_ids
+    # With --enable-return-routed-experts: as GenerateChoice's.
+    routed_experts: str | None = None
 
 
 PromptLogprobs = list[dict[str, JsonObject] | None]
@@ -110,6 +112,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: JsonObject | None = None
     finish_reason: str | None
     token_ids: list[int] | None = None
+    routed_experts: str | None = None  # on a choice's last chunk, as GenerateChoice's
 
 
 class ChatCompletionChunk(BaseModel):
@@ -133,6 +136,9 @@ class CompletionChoice(BaseModel):
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # With --enable-return-routed-experts (streamed: on a choice's last chunk): as
+    # GenerateChoice's.
+    routed_experts: str | None = None
 
 
 class CompletionResponse(BaseModel):
