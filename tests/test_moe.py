@@ -11,6 +11,7 @@ hits the prefix cache, one asks from ``routed_experts_prompt_start``.
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -486,3 +487,73 @@ def test_lora_on_attention_matches_peft_beside_the_base(
         assert f"targets model.layers.{layer}.mlp.experts (" in refused.text
         assert "fused experts of a mixture-of-experts layer" in refused.text
     assert _generate(moe, prompt, temperature=0)["choices"][0]["token_ids"] == base["token_ids"]
+
+
+def _per_expert(model: Any) -> list[tuple[str, torch.Tensor]]:
+    """``model``'s weights as a checkpoint names them: the fused expert parameters one expert and
+    projection at a time (``mlp.experts.3.gate_proj.weight`` [I, H], ``up_proj``, ``down_proj``
+    [H, I]), as trainers send them and vLLM loads them."""
+    named: list[tuple[str, torch.Tensor]] = []
+    for name, param in model.named_parameters():
+        prefix, _, kind = name.rpartition(".")
+        if kind == "gate_up_proj":
+            inter = param.shape[1] // 2
+            for e, fused in enumerate(param.detach()):
+                named.append((f"{prefix}.{e}.gate_proj.weight", fused[:inter]))
+                named.append((f"{prefix}.{e}.up_proj.weight", fused[inter:]))
+        elif kind == "down_proj" and param.dim() == 3:
+            named += [(f"{prefix}.{e}.down_proj.weight", w) for e, w in enumerate(param.detach())]
+        else:
+            named.append((name, param.detach()))
+    return named
+
+
+def test_weights_from_a_trainer_by_per_expert_names(
+    moe_server: Server, moe: httpx.Client, moe_dir: Path, moe_model: Any
+) -> None:
+    """A trainer's ``WeightSender`` over a gloo group, its experts named one at a time: the
+    server then answers as a transformers forward of the sent weights (greedy ids, logprobs,
+    routing). Before it, a missent expert tensor (another shape) and expert LoRA factors are
+    400s naming them, and the server keeps its weights."""
+    from tokenwire.client import Client
+    from tokenwire.client.weights import WeightSender, WeightSenderError
+
+    prompt = list(range(5000, 5030))
+    base = _generate(moe, prompt, temperature=0)["choices"][0]
+    _check_greedy(moe_model, prompt, base)
+    trained = _fresh(moe_dir)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for param in trained.parameters():
+            param.add_(torch.randn_like(param) * param.std() * 0.3)
+    named = _per_expert(trained)
+    names = [name for name, _ in named]
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in names
+    assert not any(name.endswith(("gate_up_proj", "experts.down_proj")) for name in names)
+
+    def send(weights: list[tuple[str, torch.Tensor]], **kwargs: Any) -> None:
+        """One group per send: a refused update closes the server's end."""
+        with WeightSender([Client(moe_server.url)], timeout_s=30) as sender:
+            sender.send(weights, **kwargs)
+
+    wrong = "model.layers.0.mlp.experts.3.gate_proj.weight"
+    missent = [(n, torch.zeros(33, 64) if n == wrong else t) for n, t in named]
+    with pytest.raises(WeightSenderError, match=rf"{re.escape(wrong)}.*\(32, 64\)"):
+        send(missent, version="missent")
+    info = moe.get("/weight_info").json()
+    assert info["state"] == "whole" and info["weight_version"] != "missent"
+    _check_greedy(moe_model, prompt, _generate(moe, prompt, temperature=0)["choices"][0])
+    factors = [("base_model.model.model.layers.0.mlp.experts.lora_A.weight", torch.zeros(4, 64))]
+    with pytest.raises(WeightSenderError, match=re.escape("targets model.layers.0.mlp.experts")):
+        send(factors, lora_name="experts", lora_config={"r": 4, "lora_alpha": 8})
+    try:
+        send(named, version="per-expert-1")
+        choice = _generate(moe, prompt, temperature=0)["choices"][0]
+        assert choice["weight_versions"][0]["version"] == "per-expert-1"
+        _check_greedy(trained, prompt, choice)
+        logprobs = [[e["logprob"] for e in c["logprobs"]["content"]] for c in (base, choice)]
+        assert max(abs(a - b) for a, b in zip(*logprobs, strict=True)) > 1e-2  # it changed
+    finally:
+        restore = moe.post("/update_weights", json={"weight_dir": str(moe_dir)})
+        assert restore.status_code == 200, restore.text
+    _check_greedy(moe_model, prompt, _generate(moe, prompt, temperature=0)["choices"][0])
