@@ -280,11 +280,14 @@ def control_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]
     yield from _start(tmp_path_factory, "control", args, api_key=API_KEY)
 
 
-# The MoE test server's: routing capture (hf engine only), checkpoint reloads; a prefill budget
-# of 48 tokens, so test_moe's prompts prefill both batched (21 + 9) and in chunks (50).
+# The MoE test server's: routing capture (hf engine only), checkpoint reloads, LoRA adapters and
+# weights from a trainer's group; a prefill budget of 48 tokens, so test_moe's prompts prefill
+# both batched (21 + 9) and in chunks (50).
 MOE_SERVER_ARGS = [
     *("--model", "qwen3-moe-tiny", "--enable-return-routed-experts", "--enable-rl-control"),
     *("--max-model-len", "1024", "--max-num-seqs", "8", "--max-num-batched-tokens", "48"),
+    *("--enable-lora", "--max-lora-rank", "8"),
+    *("--weight-transfer-config", '{"backend": "gloo", "timeout_s": 20}'),
 ]
 
 

@@ -144,6 +144,13 @@ def test_bad_adapters_are_refused(tmp_path: Path, lora_adapters: list[Path]) -> 
             "NaN or infinite",
         ),
         "dora": (_write(tmp_path / "dora", {**config, "use_dora": True}, good), "use_dora"),
+        # PEFT's LoRA of parameters (its form for a MoE model's fused experts)
+        "parameters": (
+            _write(
+                tmp_path / "parameters", {**config, "target_parameters": ["q_proj.weight"]}, good
+            ),
+            "target_parameters=['q_proj.weight'] is not supported",
+        ),
         # NaN alpha loaded and served every token at -9999; a huge one overflows B.
         "alpha": (
             _write(tmp_path / "alpha", {**config, "lora_alpha": float("nan")}, good),
@@ -163,6 +170,10 @@ def test_bad_adapters_are_refused(tmp_path: Path, lora_adapters: list[Path]) -> 
         with pytest.raises(WeightsError, match=re.escape(message)):
             slots.read(path)
         assert slots.nbytes == 0, name  # nothing was installed
+    # PEFT writes target_parameters: [] into every adapter's config.
+    assert (
+        slots.read(_write(tmp_path / "plain", {**config, "target_parameters": []}, good)).rank == 4
+    )
 
 
 # --- served over HTTP: a real server with LoRA on ----------------------------------------------

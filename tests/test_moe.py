@@ -11,6 +11,7 @@ hits the prefix cache, one asks from ``routed_experts_prompt_start``.
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -65,8 +66,13 @@ def moe_model(moe_dir: Path) -> Iterator[Any]:
         torch.set_num_threads(threads)
 
 
-def _generate(client: httpx.Client, prompt: list[int], **sampling: Any) -> dict[str, Any]:
+def _generate(
+    client: httpx.Client, prompt: list[int], model: str | None = None, **sampling: Any
+) -> dict[str, Any]:
+    """``model``: a loaded adapter's name (None: the base)."""
     body = {"token_ids": prompt, "sampling_params": {"max_tokens": 12, "logprobs": 0, **sampling}}
+    if model is not None:
+        body["model"] = model
     response = client.post("/inference/v1/generate", json=body)
     assert response.status_code == 200, response.text
     return response.json()
@@ -403,3 +409,151 @@ def test_checkpoint_reload_by_per_expert_names(
     finally:
         restore = moe.post("/update_weights", json={"weight_dir": str(moe_dir)})
         assert restore.status_code == 200, restore.text
+
+
+def _check_greedy(model: Any, prompt: list[int], choice: dict[str, Any]) -> None:
+    """A greedy choice is ``model``'s: each output id its forward's argmax, and (``_check_choice``)
+    its routing and logprobs within 1e-4."""
+    seq = [*prompt, *choice["token_ids"]]
+    with torch.inference_mode():
+        logits = model(torch.tensor([seq[:-1]]), logits_to_keep=len(choice["token_ids"])).logits
+    assert logits[0].argmax(-1).tolist() == choice["token_ids"]
+    _check_choice(model, prompt, choice)
+
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def _fresh(moe_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+
+
+def test_lora_on_attention_matches_peft_beside_the_base(
+    moe: httpx.Client, moe_dir: Path, moe_model: Any, tmp_path: Path
+) -> None:
+    """A PEFT adapter of the attention projections (the MoE model's linear layers) served
+    beside the base in one batch: its greedy ids, logprobs and routing are PEFT's forward's,
+    the base's the base model's. An adapter of the fused experts is a 400 naming them, in
+    PEFT's own form (``target_parameters``) and per expert (transformers 4's and vLLM's)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import save_file
+
+    torch.manual_seed(11)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=ATTENTION, init_lora_weights=False)
+    get_peft_model(_fresh(moe_dir), config).save_pretrained(tmp_path / "attention")
+    loaded = moe.post(
+        "/v1/load_lora_adapter",
+        json={"lora_name": "moe-attn", "lora_path": str(tmp_path / "attention")},
+    )
+    assert loaded.status_code == 200, loaded.text
+    prompt = list(range(4000, 4030))
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            jobs = [
+                pool.submit(_generate, moe, prompt, temperature=0, **extra)
+                for extra in ({}, {"model": "moe-attn"})
+            ]
+            base, adapted = (job.result()["choices"][0] for job in jobs)
+    finally:
+        unload = moe.post("/v1/unload_lora_adapter", json={"lora_name": "moe-attn"})
+        assert unload.status_code == 200, unload.text
+    _check_greedy(moe_model, prompt, base)
+    # PEFT injects the adapter into the model it wraps: that model's forward is PEFT's.
+    peft = PeftModel.from_pretrained(_fresh(moe_dir), tmp_path / "attention").get_base_model()
+    _check_greedy(peft, prompt, adapted)
+    served = [[e["logprob"] for e in c["logprobs"]["content"]] for c in (base, adapted)]
+    assert base["token_ids"] != adapted["token_ids"] or served[0] != served[1]
+    assert adapted["weight_versions"][0]["version"].startswith("moe-attn@")
+
+    experts = LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False)
+    experts.target_parameters = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    get_peft_model(_fresh(moe_dir), experts).save_pretrained(tmp_path / "experts")
+    per_expert = tmp_path / "per-expert"
+    per_expert.mkdir()
+    config_json = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["gate_proj"]}
+    (per_expert / "adapter_config.json").write_text(orjson.dumps(config_json).decode())
+    key = "base_model.model.model.layers.1.mlp.experts.3.gate_proj"
+    factors = {
+        f"{key}.lora_A.weight": torch.zeros(4, 64),
+        f"{key}.lora_B.weight": torch.zeros(32, 4),
+    }
+    save_file(factors, str(per_expert / "adapter_model.safetensors"))
+    for name, layer in (("experts", 0), ("per-expert", 1)):
+        body = {"lora_name": name, "lora_path": str(tmp_path / name)}
+        refused = moe.post("/v1/load_lora_adapter", json=body)
+        assert refused.status_code == 400, refused.text
+        assert f"targets model.layers.{layer}.mlp.experts (" in refused.text
+        assert "fused experts of a mixture-of-experts layer" in refused.text
+    assert _generate(moe, prompt, temperature=0)["choices"][0]["token_ids"] == base["token_ids"]
+
+
+def _per_expert(model: Any) -> list[tuple[str, torch.Tensor]]:
+    """``model``'s weights as a checkpoint names them: the fused expert parameters one expert and
+    projection at a time (``mlp.experts.3.gate_proj.weight`` [I, H], ``up_proj``, ``down_proj``
+    [H, I]), as trainers send them and vLLM loads them."""
+    named: list[tuple[str, torch.Tensor]] = []
+    for name, param in model.named_parameters():
+        prefix, _, kind = name.rpartition(".")
+        if kind == "gate_up_proj":
+            inter = param.shape[1] // 2
+            for e, fused in enumerate(param.detach()):
+                named.append((f"{prefix}.{e}.gate_proj.weight", fused[:inter]))
+                named.append((f"{prefix}.{e}.up_proj.weight", fused[inter:]))
+        elif kind == "down_proj" and param.dim() == 3:
+            named += [(f"{prefix}.{e}.down_proj.weight", w) for e, w in enumerate(param.detach())]
+        else:
+            named.append((name, param.detach()))
+    return named
+
+
+def test_weights_from_a_trainer_by_per_expert_names(
+    moe_server: Server, moe: httpx.Client, moe_dir: Path, moe_model: Any
+) -> None:
+    """A trainer's ``WeightSender`` over a gloo group, its experts named one at a time: the
+    server then answers as a transformers forward of the sent weights (greedy ids, logprobs,
+    routing). Before it, a missent expert tensor (another shape) and expert LoRA factors are
+    400s naming them, and the server keeps its weights."""
+    from tokenwire.client import Client
+    from tokenwire.client.weights import WeightSender, WeightSenderError
+
+    prompt = list(range(5000, 5030))
+    base = _generate(moe, prompt, temperature=0)["choices"][0]
+    _check_greedy(moe_model, prompt, base)
+    trained = _fresh(moe_dir)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for param in trained.parameters():
+            param.add_(torch.randn_like(param) * param.std() * 0.3)
+    named = _per_expert(trained)
+    names = [name for name, _ in named]
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in names
+    assert not any(name.endswith(("gate_up_proj", "experts.down_proj")) for name in names)
+
+    def send(weights: list[tuple[str, torch.Tensor]], **kwargs: Any) -> None:
+        """One group per send: a refused update closes the server's end."""
+        with WeightSender([Client(moe_server.url)], timeout_s=30) as sender:
+            sender.send(weights, **kwargs)
+
+    wrong = "model.layers.0.mlp.experts.3.gate_proj.weight"
+    missent = [(n, torch.zeros(33, 64) if n == wrong else t) for n, t in named]
+    with pytest.raises(WeightSenderError, match=rf"{re.escape(wrong)}.*\(32, 64\)"):
+        send(missent, version="missent")
+    info = moe.get("/weight_info").json()
+    assert info["state"] == "whole" and info["weight_version"] != "missent"
+    _check_greedy(moe_model, prompt, _generate(moe, prompt, temperature=0)["choices"][0])
+    factors = [("base_model.model.model.layers.0.mlp.experts.lora_A.weight", torch.zeros(4, 64))]
+    with pytest.raises(WeightSenderError, match=re.escape("targets model.layers.0.mlp.experts")):
+        send(factors, lora_name="experts", lora_config={"r": 4, "lora_alpha": 8})
+    try:
+        send(named, version="per-expert-1")
+        choice = _generate(moe, prompt, temperature=0)["choices"][0]
+        assert choice["weight_versions"][0]["version"] == "per-expert-1"
+        _check_greedy(trained, prompt, choice)
+        logprobs = [[e["logprob"] for e in c["logprobs"]["content"]] for c in (base, choice)]
+        assert max(abs(a - b) for a, b in zip(*logprobs, strict=True)) > 1e-2  # it changed
+    finally:
+        restore = moe.post("/update_weights", json={"weight_dir": str(moe_dir)})
+        assert restore.status_code == 200, restore.text
+    _check_greedy(moe_model, prompt, _generate(moe, prompt, temperature=0)["choices"][0])

@@ -187,7 +187,14 @@ class WeightSender:
             self._broadcast(metas, tensors, receiving)
         except Exception as exc:
             self._drop_group()
-            raise WeightSenderError(f"broadcast failed: {_first_error(receiving) or exc}") from exc
+            # A server that refused the update closed its end of the group, which is what
+            # broke the broadcast: its answer, on its way, says why (gloo's "Connection closed
+            # by peer" does not). Leaving the group ends any server's receive that waits.
+            wait(receiving, timeout=self.timeout_s)
+            refused = _first_error(receiving)
+            if refused is not None:
+                raise WeightSenderError(f"a server refused the update: {refused}") from refused
+            raise WeightSenderError(f"broadcast failed: {exc}") from exc
         _raise_first(receiving)
         self._each(lambda client: client.control.finish_weight_update(version))
 

@@ -7,7 +7,7 @@ trainer announces before a byte of them is received (``check_update``).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from tokenwire.adapter_files import CONFIG_FILE
@@ -26,6 +26,8 @@ _UNSUPPORTED: dict[str, Any] = {
     "rank_pattern": {},
     "alpha_pattern": {},
     "layers_to_transform": None,
+    # PEFT's LoRA on a module's parameters (not its forward): a MoE model's fused experts.
+    "target_parameters": None,
 }
 
 
@@ -35,9 +37,11 @@ def check_update(
     linears: Mapping[str, tuple[int, int]],
     *,
     max_rank: int,
+    experts: Collection[str] = (),
 ) -> None:
     """Each tensor a trainer announces is a floating factor of one of ``linears`` under
-    ``config``."""
+    ``config`` (none of ``experts``: see ``check_no_expert_targets``)."""
+    check_no_expert_targets((meta.name for meta in tensors), experts)
     rank, _ = check_config(config, max_rank=max_rank)
     for meta in tensors:
         check_factor(meta.name, meta.shape, config, rank, linears)
@@ -45,12 +49,33 @@ def check_update(
             raise WeightsError(f"{meta.name}: a LoRA factor is not of dtype {meta.dtype}")
 
 
+def check_no_expert_targets(keys: Iterable[str], experts: Collection[str]) -> None:
+    """No factor targets a mixture-of-experts layer's fused experts (``experts``: their module
+    paths, e.g. ``model.layers.0.mlp.experts``): one 3-D tensor per projection holds every
+    expert there, so there is no linear layer to add a LoRA delta to. Checked before the
+    config, whose other refusals (PEFT's ``target_parameters``, its ``rank_pattern`` for
+    converted expert targets) would not say which module is the matter. An adapter names
+    experts as PEFT's ``target_parameters`` does on transformers 5
+    (``experts.lora_A.weight``, ``experts.base_layer.lora_A.weight``) or per expert as on
+    transformers 4 and vLLM (``experts.3.gate_proj.lora_A.weight``)."""
+    for key in keys:
+        name = key.removeprefix(_PEFT_PREFIX)
+        for fused in experts:
+            if name.startswith(f"{fused}."):
+                raise WeightsError(
+                    f"the adapter targets {fused} ({key}): the fused experts of a "
+                    "mixture-of-experts layer (one tensor per projection for all experts, no "
+                    "linear layers), which LoRA is not served on; an adapter of this model may "
+                    "target its linear layers, such as the attention projections"
+                )
+
+
 def check_config(config: Mapping[str, Any], *, max_rank: int) -> tuple[int, float]:
     """An adapter config's rank and scaling, if it is a LoRA this server serves."""
     if config.get("peft_type", "LORA") != "LORA":
         raise WeightsError(f"only LoRA adapters are served, not {config.get('peft_type')!r}")
     for field, default in _UNSUPPORTED.items():
-        if config.get(field, default) not in (default, None, {}, False, "none"):
+        if config.get(field, default) not in (default, None, {}, [], False, "none"):
             raise WeightsError(f"{CONFIG_FILE}: {field}={config[field]!r} is not supported")
     rank = config.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:

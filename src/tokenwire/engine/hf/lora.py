@@ -13,7 +13,7 @@ it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,13 @@ import torch
 
 from tokenwire import adapter_files
 from tokenwire.engine.base import AdapterTensors, WeightsError
-from tokenwire.engine.lora_rules import check_config, check_factor, check_update
+from tokenwire.engine.hf.expert_weights import expert_views
+from tokenwire.engine.lora_rules import (
+    check_config,
+    check_factor,
+    check_no_expert_targets,
+    check_update,
+)
 from tokenwire.engine.weight_rules import all_finite
 from tokenwire.weight_transfer import TensorMeta
 
@@ -66,9 +72,12 @@ def check_adapter(
     *,
     max_rank: int,
     dtype: torch.dtype,
+    experts: Collection[str] = (),
 ) -> AdapterWeights:
-    """Check a PEFT LoRA adapter fits the model; ``WeightsError`` says why not."""
+    """Check a PEFT LoRA adapter fits the model (``experts``: the module paths of its fused MoE
+    experts, which no factor may target); ``WeightsError`` says why not."""
     config = adapter.config
+    check_no_expert_targets(adapter.tensors, experts)
     rank, scaling = check_config(config, max_rank=max_rank)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in adapter.tensors.items():
@@ -104,6 +113,8 @@ class AdapterSlots:
         self.features = {
             name: (linear.in_features, linear.out_features) for name, linear in self.linears.items()
         }
+        # A MoE model's fused expert modules: no linear layers, and no LoRA on them.
+        self.experts = frozenset(name.rsplit(".", 1)[0] for name in expert_views(model))
         self.rows: torch.Tensor | None = None
         param = next(model.parameters())
         self._device, self._dtype = param.device, param.dtype
@@ -113,14 +124,16 @@ class AdapterSlots:
         self._used: dict[int, AdapterWeights] = {}
 
     def check(self, adapter: AdapterTensors) -> AdapterWeights:
-        return check_adapter(adapter, self.features, max_rank=self.max_rank, dtype=self._dtype)
+        return check_adapter(
+            adapter, self.features, max_rank=self.max_rank, dtype=self._dtype, experts=self.experts
+        )
 
     def read(self, path: Path) -> AdapterWeights:
         return self.check(read_adapter(path))
 
     def check_update(self, config: Mapping[str, Any], tensors: Sequence[TensorMeta]) -> None:
         """Each tensor a trainer announces is a factor of the model under ``config``."""
-        check_update(config, tensors, self.features, max_rank=self.max_rank)
+        check_update(config, tensors, self.features, max_rank=self.max_rank, experts=self.experts)
 
     def put(self, slot: int, adapter: AdapterWeights) -> None:
         """Write ``adapter`` into ``slot``, replacing what it held."""
