@@ -171,6 +171,7 @@ class EngineCall:
     media: MultiModalInput | None
     cache_salt: str | None = None
     adapter: AdapterVersion | None = None
+    final_only: bool = False  # the caller asked for the end only (the script streams anyway)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     aborted: bool = False
@@ -257,6 +258,7 @@ class FakeEngine:
         cache_salt: str | None = None,
         *,
         adapter: AdapterVersion | None = None,
+        final_only: bool = False,
     ) -> AsyncIterator[EngineOutput]:
         """Yield the script's outputs until the stop rule ends it; closing early aborts."""
         prompt = list(prompt_token_ids)
@@ -268,7 +270,7 @@ class FakeEngine:
         reply = self.script(request_id, prompt, sampling)
         if not isinstance(reply, Reply):
             reply = Reply(reply)
-        call = EngineCall(request_id, prompt, sampling, media, cache_salt, adapter)
+        call = EngineCall(request_id, prompt, sampling, media, cache_salt, adapter, final_only)
         self.calls.append(call)
         self.live[request_id] = call
         try:

@@ -20,6 +20,7 @@ from tests.conftest import run_async, start_engine
 from tokenwire.assets import prepare
 from tokenwire.engine.base import (
     EngineError,
+    EngineOutput,
     ImageInput,
     MultiModalInput,
     SamplingParams,
@@ -292,6 +293,69 @@ def test_closing_the_stream_early_frees_the_slot(
     # The id is free again.
     res = run(collect(engine, "closed", prompt, SamplingParams(max_tokens=2, temperature=0)))
     assert len(res.tokens) == 2
+
+
+@pytest.mark.vllm_only  # the hf engine streams either way
+def test_final_only_outputs_equal_the_streamed_ones_across_a_version_change(
+    engine: HFEngine, tokenizer: AutoTokenizer
+) -> None:
+    """A final-only request (a non-streamed answer) gets the ids, logprobs and per-token
+    weight versions a streamed one gets, in one output per version, when the version changes
+    mid-request. Both wait in the paused engine, so they start in one step and keep pace."""
+    prompt = chat(tokenizer, FRANCE)
+    sp = SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True)
+    made: dict[bool, list[EngineOutput]] = {False: [], True: []}
+
+    async def one(final_only: bool) -> None:
+        stream = engine.generate(f"final-only-{final_only}", prompt, sp, final_only=final_only)
+        async for out in stream:
+            made[final_only].append(out)
+
+    async def main() -> None:
+        await engine.pause("keep")
+        tasks = [asyncio.create_task(one(final_only)) for final_only in (False, True)]
+        await asyncio.sleep(0.5)  # both queued in the paused engine
+        await engine.resume()
+        while sum(len(out.new_token_ids) for out in made[False]) < 3:
+            await asyncio.sleep(0.01)
+        await engine.pause("keep")
+        await engine.set_weight_version("final-only-v2")
+        await engine.resume()
+        await asyncio.gather(*tasks)
+
+    try:
+        run(main())
+    finally:
+        run(engine.set_weight_version("default"))
+    streamed, final = made[False], made[True]
+
+    def spans(outputs: list[EngineOutput]) -> list[tuple[str, int]]:
+        merged: list[tuple[str, int]] = []
+        for out in outputs:
+            if merged and merged[-1][0] == out.weight_version:
+                merged[-1] = (out.weight_version, merged[-1][1] + len(out.new_token_ids))
+            elif out.new_token_ids:
+                merged.append((out.weight_version, len(out.new_token_ids)))
+        return merged
+
+    assert [out.weight_version for out in final] == ["default", "final-only-v2"]
+    assert spans(final) == spans(streamed) and 3 <= spans(final)[0][1] < 16
+    assert [t for out in final for t in out.new_token_ids] == [
+        t for out in streamed for t in out.new_token_ids
+    ]
+    pairs = zip(
+        [lp for out in final for lp in out.logprobs or []],
+        [lp for out in streamed for lp in out.logprobs or []],
+        strict=True,
+    )
+    for a, b in pairs:  # one batch, two rows: equal up to the row's place in it
+        assert (a.token_id, a.rank, [i for i, _ in a.top]) == (
+            b.token_id,
+            b.rank,
+            [i for i, _ in b.top],
+        )
+        assert abs(a.logprob - b.logprob) < 1e-5
+    assert (final[-1].finish_reason, final[0].num_prompt_tokens) == ("length", len(prompt))
 
 
 def test_stop_conditions(engine: HFEngine, tokenizer: AutoTokenizer) -> None:

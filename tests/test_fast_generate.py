@@ -215,6 +215,39 @@ def test_cache_salt_reaches_the_engine_on_every_route(
     assert [call.cache_salt for call in fast_smollm2.engine.calls] == [None]
 
 
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "final_only"),
+    [
+        ("/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": {"n": 2}}, True),
+        (
+            "/inference/v1/generate",
+            {"token_ids": PROMPT, "sampling_params": {}, "stream": True},
+            False,
+        ),
+        ("/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": {"stop": "x"}}, False),
+        ("/v1/chat/completions", {"messages": CHAT}, True),
+        ("/v1/chat/completions", {"messages": CHAT, "stream": True}, False),
+        ("/v1/chat/completions", {"messages": CHAT, "stop": ["x"]}, False),
+        ("/generate", {"input_ids": [PROMPT, PROMPT]}, True),
+        ("/generate", {"input_ids": PROMPT, "stream": True}, False),
+    ],
+)
+def test_only_a_choice_read_at_its_end_asks_the_engine_for_its_end_only(
+    fast_smollm2: FastApp, path: str, body: dict[str, Any], final_only: bool
+) -> None:
+    """A non-streamed choice without stop strings lets the engine hold its outputs to the end
+    (vLLM's FINAL_ONLY: no per-step cost here); a streamed one, or one whose stop strings are
+    found above the engine, needs every step."""
+    fast_smollm2.engine.script = lambda *_: [5, EOS]
+    response = fast_smollm2.client.post(path, json={"max_tokens": 2, **body})
+    assert response.status_code == 200, response.text
+    calls = fast_smollm2.engine.calls
+    assert calls and all(call.final_only == final_only for call in calls)
+
+
 @pytest.mark.parametrize(
     ("path", "body"),
     [

@@ -92,6 +92,11 @@ def test_streaming_equals_non_streaming(smollm2: httpx.Client, paris_ids: list[i
     assert [e["token"] for e in streamed_logprobs] == [
         e["token"] for e in whole["logprobs"]["content"]
     ]
+    # On vLLM the whole answer came as one final output, the stream as one per step.
+    assert [e["logprob"] for e in streamed_logprobs] == pytest.approx(
+        [e["logprob"] for e in whole["logprobs"]["content"]], abs=1e-4
+    )
+    assert deltas[-1]["choices"][0]["weight_versions"] == whole["weight_versions"]
     assert usage_chunk["choices"] == []
     assert usage_chunk["usage"]["completion_tokens"] == len(streamed)
 

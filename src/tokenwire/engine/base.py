@@ -284,11 +284,15 @@ class GenerationEngine(Protocol):
         cache_salt: str | None = None,
         *,
         adapter: AdapterVersion | None = None,
+        final_only: bool = False,
     ) -> AsyncIterator[EngineOutput]:
         """Yield outputs until one carries a finish_reason. Closing the iterator aborts.
 
         Requests with different ``cache_salt`` never share prefix-cache blocks (vLLM's).
-        ``adapter``: a LoRA adapter version the engine holds (None: the base model)."""
+        ``adapter``: a LoRA adapter version the engine holds (None: the base model).
+        ``final_only``: the caller reads nothing before the end (a non-streamed answer with no
+        stop string to find on the way), so the engine may hold its outputs and send them all
+        when the request ends; each output still holds the tokens of one weight version."""
         ...
 
     async def abort(self, request_id: str) -> bool:

@@ -132,6 +132,12 @@ class Choice:
         return self.finish_reason is not None
 
     @property
+    def stops_on_text(self) -> bool:
+        """Whether the choice may end at a stop string: found here, above the engine, which
+        must then report every step so that the choice ends (and is aborted) where it stops."""
+        return self.decoder is not None and bool(self.decoder.options.stop_strings)
+
+    @property
     def text(self) -> str:
         return "".join(self.text_pieces)
 

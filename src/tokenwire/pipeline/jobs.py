@@ -38,10 +38,19 @@ class GenerationJob:
         self.choices = choices
         self._on_end = on_end
 
-    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
-        """Merged deltas of all choices; leaving early aborts whatever still runs."""
+    async def deltas(self, *, streamed: bool = True) -> AsyncIterator[ChoiceDelta]:
+        """Merged deltas of all choices; leaving early aborts whatever still runs.
+
+        ``streamed=False``: the caller answers only once every choice ended, so a choice the
+        pipeline need not watch on the way (no stop string to find) asks its engine for its end
+        only (``Engine.generate``'s ``final_only``)."""
         try:
-            streams = merge([self._run(choice) for choice in self.choices])
+            streams = merge(
+                [
+                    self._run(choice, final_only=not streamed and not choice.stops_on_text)
+                    for choice in self.choices
+                ]
+            )
             async with contextlib.aclosing(streams):
                 async for _, delta in streams:
                     yield delta
@@ -56,7 +65,7 @@ class GenerationJob:
 
     async def run(self) -> list[Choice]:
         """Run every choice to its end."""
-        async for _ in self.deltas():
+        async for _ in self.deltas(streamed=False):
             pass
         return self.choices
 
@@ -95,7 +104,7 @@ class GenerationJob:
                 return value
         return None
 
-    async def _run(self, choice: Choice) -> AsyncGenerator[ChoiceDelta, None]:
+    async def _run(self, choice: Choice, *, final_only: bool) -> AsyncGenerator[ChoiceDelta, None]:
         """One choice's deltas; closing it aborts the engine request."""
         request = choice.request
         stream = self.engine.generate(
@@ -105,6 +114,7 @@ class GenerationJob:
             request.media,
             cache_salt=request.cache_salt,
             adapter=request.adapter,
+            final_only=final_only,
         )
         try:
             async with contextlib.aclosing(stream):

@@ -75,7 +75,7 @@ class SGLangRun:
 
     async def response(self) -> dict[str, Any] | list[dict[str, Any]]:
         try:
-            async for delta in self.job.deltas():
+            async for delta in self.job.deltas(streamed=False):
                 self._add(delta)
         finally:
             self.job.end()

@@ -270,8 +270,11 @@ class HFEngine:
         cache_salt: str | None = None,
         *,
         adapter: AdapterVersion | None = None,
+        final_only: bool = False,
     ) -> AsyncIterator[EngineOutput]:
-        """Stream a request's outputs; closing the iterator early aborts it in the engine."""
+        """Stream a request's outputs; closing the iterator early aborts it in the engine.
+        ``final_only`` changes nothing here: the steps run in this process, and whatever a
+        consumer falls behind by comes coalesced."""
         prompt = list(prompt_token_ids)
         check_new_request(self.is_ready(), self._death, request_id, self._live)
         checked = self._images(prompt, media)

@@ -69,8 +69,10 @@ def engine_args(
     return args
 
 
-def sampling_params(sampling: SamplingParams, logprobs_mode: str) -> Any:
-    """vLLM's ``SamplingParams`` for one sequence, streamed as deltas of ids only."""
+def sampling_params(sampling: SamplingParams, logprobs_mode: str, final_only: bool = False) -> Any:
+    """vLLM's ``SamplingParams`` for one sequence: ids only, streamed as deltas, or with
+    ``final_only`` as one output at the end (as vLLM's own server answers a non-streamed
+    request), which carries every id, logprob and weight-version span the deltas would have."""
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -99,7 +101,7 @@ def sampling_params(sampling: SamplingParams, logprobs_mode: str) -> Any:
         logprobs=sampling.logprobs,
         logprob_token_ids=list(sampling.logprob_token_ids) if sampling.logprob_token_ids else None,
         prompt_logprobs=sampling.prompt_logprobs,
-        output_kind=RequestOutputKind.DELTA,
+        output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA,
         detokenize=False,
         skip_special_tokens=False,
         extra_args=grammar_args(sampling.grammar) if sampling.grammar is not None else None,

@@ -219,8 +219,15 @@ class VLLMEngine:
         cache_salt: str | None = None,
         *,
         adapter: AdapterVersion | None = None,
+        final_only: bool = False,
     ) -> AsyncIterator[EngineOutput]:
-        """Stream a request's outputs; closing the iterator early aborts it in vLLM."""
+        """Stream a request's outputs; closing the iterator early aborts it in vLLM.
+
+        ``final_only``: vLLM sends one output when the request ends (finished, aborted or
+        paused out) instead of one per engine step: each step's output would cost this process
+        a wake-up, a conversion and a pass through the pipeline for nothing. Nothing is lost:
+        vLLM stamps every step's weight version whatever the output kind, and the final output
+        carries all the ids and logprobs and the versions' spans (``outputs``)."""
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -229,7 +236,7 @@ class VLLMEngine:
         check_new_request(self.is_ready(), self.death(), request_id, self._live)
         if media is not None:
             raise EngineError("--engine vllm takes no image input yet (see docs/api.md)")
-        params = sampling_params(sampling, self.logprobs_mode)
+        params = sampling_params(sampling, self.logprobs_mode, final_only)
         tokens = TokensPrompt(prompt_token_ids=prompt)
         if cache_salt is not None:
             tokens["cache_salt"] = cache_salt
