@@ -27,6 +27,7 @@ HELPERS = {"serverbench.py", "bare_tokenize_app.py"}
 MODEL_FREE = {
     "bench_body_checks.py",
     "bench_derender.py",
+    "bench_extend.py",
     "bench_frontend_idle.py",
     "bench_pipeline_http.py",
     "bench_render.py",
