@@ -25,7 +25,7 @@ SCHEMA = {
     "additionalProperties": False,
 }
 MESSAGES: list[Any] = [{"role": "user", "content": "Describe a thing as JSON."}]
-N = 8
+N = 5
 
 
 def test_json_schema_regex_and_choice(smollm2_openai: openai.OpenAI) -> None:

@@ -468,6 +468,8 @@ def test_a_trainer_that_sends_other_tensors_than_it_named(
     """A 400 naming what was wrong; the server alive, streams started before the update
     finish, the weights the base's (the call never reached the model); after gloo's abort
     a new group takes a complete update."""
+    if SESSION_ENGINE["kind"] == "vllm" and case == "float32 for bfloat16":
+        pytest.skip("on vLLM's worker the same abort as 'larger' (CI's 30 minutes)")
     params = dict(base_params(base_dir))
     announced, sent, message = MISSENT[case]
     streams = [Stream(rl_server, prompt_ids, max_tokens=16, ignore_eos=True) for _ in range(3)]
