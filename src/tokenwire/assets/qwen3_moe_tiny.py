@@ -13,9 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from .cache import Progress, library_versions, quiet
-from .qwen3_tiny import CHAT_TEMPLATE, MODEL_MAX_LENGTH, save_generation_config, text_config_kwargs
-from .qwen_tokenizer import check_qwen_tokenizer, write_qwen_tokenizer
-from .sources import LLAMA_CPP_SDIST, LLAMA_CPP_SDIST_SHA256, llama_cpp_models_dir
+from .qwen3_tiny import (
+    CHAT_TEMPLATE,
+    save_generation_config,
+    text_config_kwargs,
+    write_qwen3_tokenizer,
+)
+from .sources import LLAMA_CPP_SDIST, LLAMA_CPP_SDIST_SHA256
 
 NAME = "qwen3-moe-tiny"
 RECIPE = 1
@@ -47,12 +51,7 @@ def build(out: Path, progress: Progress | None = None) -> dict[str, Any]:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     progress = progress or quiet
-    models = llama_cpp_models_dir(progress=progress)
-    progress(f"{NAME}: building the Qwen3 tokenizer from {models.name}/ggml-vocab-qwen2.gguf")
-    template = (models / CHAT_TEMPLATE).read_text(encoding="utf-8")
-    write_qwen_tokenizer(models, out, chat_template=template, model_max_length=MODEL_MAX_LENGTH)
-    check_qwen_tokenizer(out, models)
-
+    write_qwen3_tokenizer(out, NAME, progress)
     progress(f"{NAME}: initialising tiny weights (seed {SEED})")
     config = Qwen3MoeConfig(
         **moe_config_kwargs(),

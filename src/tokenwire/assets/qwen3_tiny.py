@@ -53,18 +53,22 @@ def save_generation_config(out: Path) -> None:
     ).save_pretrained(str(out))
 
 
+def write_qwen3_tokenizer(out: Path, name: str, progress: Progress) -> None:
+    """The real Qwen3 tokenizer and chat template into ``out`` (asset ``name``), checked."""
+    models = llama_cpp_models_dir(progress=progress)
+    progress(f"{name}: building the Qwen3 tokenizer from {models.name}/ggml-vocab-qwen2.gguf")
+    template = (models / CHAT_TEMPLATE).read_text(encoding="utf-8")
+    write_qwen_tokenizer(models, out, chat_template=template, model_max_length=MODEL_MAX_LENGTH)
+    check_qwen_tokenizer(out, models)
+
+
 def build(out: Path, progress: Progress | None = None) -> dict[str, Any]:
     """Write the model directory into the empty directory ``out``."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     progress = progress or quiet
-    models = llama_cpp_models_dir(progress=progress)
-    progress(f"{NAME}: building the Qwen3 tokenizer from {models.name}/ggml-vocab-qwen2.gguf")
-    template = (models / CHAT_TEMPLATE).read_text(encoding="utf-8")
-    write_qwen_tokenizer(models, out, chat_template=template, model_max_length=MODEL_MAX_LENGTH)
-    check_qwen_tokenizer(out, models)
-
+    write_qwen3_tokenizer(out, NAME, progress)
     progress(f"{NAME}: initialising tiny weights (seed {SEED})")
     config = Qwen2Config(
         **text_config_kwargs(),
