@@ -73,9 +73,12 @@ def tree_env(tree: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path}
 
 
-def serve_fake_engine(port: int, make_engine: Callable[[Path], FakeEngine], *flags: str) -> None:
+def serve_fake_engine(
+    port: int, make_engine: Callable[[Path], FakeEngine], *flags: str, model: str | None = None
+) -> None:
     """Serve the real app (``tokenwire serve``'s, on its uvicorn protocol) over the project's fake
-    engine, built by ``make_engine`` for a weightless view of the default model; until killed."""
+    engine, built by ``make_engine`` for a weightless view of ``model`` (default: the default
+    model's); until killed."""
     import uvicorn
 
     from tests.fast_app import weightless_view
@@ -85,8 +88,9 @@ def serve_fake_engine(port: int, make_engine: Callable[[Path], FakeEngine], *fla
     from tokenwire.settings import DEFAULT_MODEL, parse_serve_args
 
     with tempfile.TemporaryDirectory() as tmp:
-        view = weightless_view(prepare(DEFAULT_MODEL), Path(tmp))
+        view = weightless_view(prepare(model or DEFAULT_MODEL), Path(tmp))
         argv = ["--model", str(view), "--port", str(port), "--log-level", "warning", *flags]
+        argv += ["--session-store", str(Path(tmp) / "sessions.sqlite3")]
         settings = parse_serve_args(argv)
         app = create_app(settings, make_engine(view))
         uvicorn.Server(uvicorn_config(app, settings)).run()

@@ -147,6 +147,10 @@ def update_info(params: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
     }
 
 
+# A second vLLM server costs a minute of CI's 30; the fleet's rendezvous (ranks, one broadcast to
+# both) is the frontend's, the same on either engine, and vLLM's worker joining a trainer's group
+# runs in the other tests here.
+@pytest.mark.hf_only
 def test_a_trainer_process_updates_two_servers(
     rl_server: Server,
     second_rl_server: Server,

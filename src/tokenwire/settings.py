@@ -239,6 +239,13 @@ class Settings:
         help="one session's bound (default: a quarter of --session-store-bytes); a session "
         "that would grow past it is closed to appends, so it never evicts every other one",
     )
+    prompt_memory_bytes: int = flag(
+        2**30,
+        type=int,
+        help="prompts that renders and extends asked to remember (return_prompt_handle), for "
+        "an extend to name instead of resending them; the least recently used go first "
+        "(0: none)",
+    )
     session_ttl_s: float = flag(
         7 * 24 * 3600.0, type=float, help="a session unused this long is dropped"
     )

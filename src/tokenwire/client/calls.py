@@ -103,6 +103,24 @@ def extend(
     )
 
 
+def extend_by_reference(
+    previous_prompt: str,
+    completion_token_ids: Sequence[int],
+    reply: Mapping[str, Any],
+    messages: Messages,
+    **fields: Any,
+) -> Call[Extension]:
+    return _post(
+        "/v1/chat/completions/extend",
+        Extension.model_validate,
+        previous_prompt=previous_prompt,
+        completion_token_ids=list(completion_token_ids),
+        reply=dict(reply),
+        messages=messages,
+        **fields,
+    )
+
+
 def generate_body(
     prompt: Prompt | Sequence[int], sampling_params: Mapping[str, Any] | None, fields: Any
 ) -> dict[str, Any]:

@@ -125,6 +125,21 @@ class Client(_Connection[httpx.Client]):
     ) -> Extension:
         return self.send(calls.extend(previous_token_ids, previous_messages, messages, **fields))
 
+    def extend_by_reference(
+        self,
+        previous_prompt: str,
+        completion_token_ids: Sequence[int],
+        reply: Mapping[str, Any],
+        messages: Messages,
+        **fields: Any,
+    ) -> Extension:
+        """Extend the prompt the server remembers as ``previous_prompt`` (a ``prompt_handle``)
+        by its ``completion_token_ids``, the derendered ``reply`` and the new ``messages``."""
+        call = calls.extend_by_reference(
+            previous_prompt, completion_token_ids, reply, messages, **fields
+        )
+        return self.send(call)
+
     def generate(
         self,
         prompt: Prompt | Sequence[int],
@@ -236,6 +251,19 @@ class AsyncClient(_Connection[httpx.AsyncClient]):
         **fields: Any,
     ) -> Extension:
         call = calls.extend(previous_token_ids, previous_messages, messages, **fields)
+        return await self.send(call)
+
+    async def extend_by_reference(
+        self,
+        previous_prompt: str,
+        completion_token_ids: Sequence[int],
+        reply: Mapping[str, Any],
+        messages: Messages,
+        **fields: Any,
+    ) -> Extension:
+        call = calls.extend_by_reference(
+            previous_prompt, completion_token_ids, reply, messages, **fields
+        )
         return await self.send(call)
 
     async def generate(

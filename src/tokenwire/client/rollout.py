@@ -17,6 +17,7 @@ import numpy as np
 
 from tokenwire.client.calls import Messages, jsonable
 from tokenwire.client.client import AsyncClient
+from tokenwire.client.errors import BadRequestError
 from tokenwire.client.types import ChatMessageOut, Prompt
 
 NewMessages = Sequence[Mapping[str, Any]] | None
@@ -124,7 +125,10 @@ class Rollout:
         """Play up to ``max_turns`` replies; stops early when ``respond`` returns nothing."""
         result = RolloutResult(messages=jsonable(list(messages)))
         fields = {**self.template_fields, **self.request_fields}
-        prompt: Prompt = await self.client.render_chat(result.messages, **fields)
+        # The server remembers each prompt: the next extend names it, not the whole history.
+        prompt: Prompt = await self.client.render_chat(
+            result.messages, return_prompt_handle=True, **fields
+        )
         previous: Turn | None = None
         for index in range(self.max_turns):
             turn = await self._turn(index, prompt, previous, result.messages)
@@ -136,12 +140,32 @@ class Rollout:
             if not new_messages or index + 1 == self.max_turns:
                 break
             new = jsonable(list(new_messages))
-            prompt = await self.client.extend(
-                turn.token_ids, result.messages, new, keep_history=self.keep_history, **fields
-            )
+            prompt = await self._extend(prompt, turn, result.messages, new, fields)
             result.messages.extend(new)
             previous = turn
         return result
+
+    async def _extend(
+        self,
+        prompt: Prompt,
+        turn: Turn,
+        conversation: list[dict[str, Any]],
+        new: list[dict[str, Any]],
+        fields: dict[str, Any],
+    ) -> Prompt:
+        """The next prompt: by reference to the remembered one, or (a server that no longer
+        holds it, or remembers none) from the whole history."""
+        fields = {**fields, "keep_history": self.keep_history, "return_prompt_handle": True}
+        if prompt.prompt_handle is not None:
+            reply_ids = [*turn.prefill_ids, *turn.sampled_ids]
+            try:
+                return await self.client.extend_by_reference(
+                    prompt.prompt_handle, reply_ids, conversation[-1], new, **fields
+                )
+            except BadRequestError as exc:
+                if exc.param != "previous_prompt":
+                    raise
+        return await self.client.extend(turn.token_ids, conversation, new, **fields)
 
     async def _turn(
         self, index: int, prompt: Prompt, previous: Turn | None, conversation: list[dict[str, Any]]

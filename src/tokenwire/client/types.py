@@ -33,6 +33,9 @@ class Prompt(ServerModel):
     model: str | None = None
     cache_salt: str | None = None
     priority: int = 0
+    # What the server remembers this prompt as (asked with ``return_prompt_handle``): the next
+    # turn's ``extend_by_reference`` names it instead of resending the history.
+    prompt_handle: str | None = None
 
 
 class Extension(Prompt):

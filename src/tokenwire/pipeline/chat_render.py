@@ -103,11 +103,32 @@ async def render_template_text(
     request's template in the template worker processes, under their time, memory and output
     caps, so it can neither stall the event loop nor take the server's memory.
     """
-    source = _request_template(pipeline, options)
-    # Every input the template reads counts (16 MB of tools render as long as 16 MB of text).
-    size = text_size((options.messages, options.tools, options.chat_template_kwargs))
+    (text,) = await render_template_texts(pipeline, runtime, [options])
+    return text
+
+
+async def render_template_texts(
+    pipeline: Pipeline, runtime: ModelRuntime, renders: list[ChatTemplateOptions]
+) -> list[str]:
+    """``render_template_text`` of each of ``renders`` (which share their template): the
+    server's template renders them all in one go (one thread hop, not one each)."""
+    source = _request_template(pipeline, renders[0])
     if source is None:
-        return await run_text_work(size, lambda: _render_server_template(runtime, options))
+        # Every input the template reads counts (16 MB of tools render as long as 16 MB of text).
+        size = sum(text_size((o.messages, o.tools, o.chat_template_kwargs)) for o in renders)
+        # The renders' messages are the same objects (extend's histories): made dicts once.
+        converted: dict[int, dict[str, Any]] = {}
+        return await run_text_work(
+            size,
+            lambda: [_render_server_template(runtime, options, converted) for options in renders],
+        )
+    return [await _render_request_template(pipeline, runtime, source, o) for o in renders]
+
+
+async def _render_request_template(
+    pipeline: Pipeline, runtime: ModelRuntime, source: str, options: ChatTemplateOptions
+) -> str:
+    size = text_size((options.messages, options.tools, options.chat_template_kwargs))
     assert runtime.request_templates is not None  # built whenever request templates are trusted
     messages, tools, kwargs = await run_text_work(size, lambda: _template_inputs(source, options))
     try:
@@ -127,13 +148,17 @@ async def render_template_text(
         raise InvalidRequest(str(exc), "messages") from exc
 
 
-def _render_server_template(runtime: ModelRuntime, options: ChatTemplateOptions) -> str:
+def _render_server_template(
+    runtime: ModelRuntime,
+    options: ChatTemplateOptions,
+    converted: dict[int, dict[str, Any]] | None = None,
+) -> str:
     template = runtime.chat_template
     if template is None:
         raise InvalidRequest(
             "This model has no chat template; pass --chat-template to the server", "messages"
         )
-    messages, tools, kwargs = _template_inputs(template.source, options)
+    messages, tools, kwargs = _template_inputs(template.source, options, converted)
     try:
         return template.render(
             messages,
@@ -159,16 +184,26 @@ def _request_template(pipeline: Pipeline, options: ChatTemplateOptions) -> str |
 
 
 def _template_inputs(
-    source: str, options: ChatTemplateOptions
+    source: str, options: ChatTemplateOptions, converted: dict[int, dict[str, Any]] | None = None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any]]:
-    """Messages, tools and template kwargs as the template ``source`` gets them."""
+    """Messages, tools and template kwargs as the template ``source`` gets them; ``converted``
+    holds the messages made dicts already, by object, for renders of the server's template
+    (no template the server trusts changes its inputs)."""
     kwargs = {
         key: value
         for key, value in (options.chat_template_kwargs or {}).items()
         if key not in RESERVED_TEMPLATE_KWARGS
     }
     iterates_content = bool(_ITERATES_CONTENT.search(source))
-    messages = [_message_for_template(message, iterates_content) for message in options.messages]
+    if converted is None:
+        messages = [_message_for_template(m, iterates_content) for m in options.messages]
+    else:
+        messages = []
+        for message in options.messages:
+            data = converted.get(id(message))
+            if data is None:
+                data = converted[id(message)] = _message_for_template(message, iterates_content)
+            messages.append(data)
     tools = (
         [tool.model_dump(exclude_unset=True) for tool in options.tools] if options.tools else None
     )

@@ -16,6 +16,7 @@ from tokenwire.pipeline.control import ControlPlane
 from tokenwire.pipeline.control.trainer_address import TrainerAddressPolicy
 from tokenwire.pipeline.errors import NotReady, UnknownModel
 from tokenwire.pipeline.jobs import JobRegistry
+from tokenwire.pipeline.prompt_memory import PromptMemory
 from tokenwire.pipeline.session_store import SessionStore
 from tokenwire.settings import Settings
 from tokenwire.structured.grammar import GrammarCompiler
@@ -48,6 +49,7 @@ class ServingConfig:
     # --logprobs-mode: what a request that names no mode gets.
     logprobs_mode: LogprobsMode = "raw_logprobs"
     max_loras: int = 0  # LoRA adapter versions resident at once; 0: LoRA off
+    prompt_memory_bytes: int = 2**30  # --prompt-memory-bytes
     max_lora_rank: int = 0
 
     @classmethod
@@ -76,6 +78,7 @@ class ServingConfig:
             logprobs_mode=settings.logprobs_mode,
             max_loras=settings.max_loras if settings.enable_lora else 0,
             max_lora_rank=settings.max_lora_rank,
+            prompt_memory_bytes=settings.prompt_memory_bytes,
         )
 
     @property
@@ -117,6 +120,8 @@ class Pipeline:
     sessions: SessionStore | None = None
     allowed_lora_roots: tuple[Path, ...] = ()  # --allowed-lora-paths, resolved
     control: ControlPlane = field(init=False)
+    # The prompts renders and extends remember for an extend to name.
+    prompt_memory: PromptMemory = field(init=False)
 
     def __post_init__(self) -> None:
         config = self.config
@@ -130,6 +135,7 @@ class Pipeline:
             base_model_names=config.model_names,
             allowed_lora_roots=self.allowed_lora_roots,
         )
+        self.prompt_memory = PromptMemory(config.prompt_memory_bytes)
 
     def session_store(self) -> SessionStore:
         assert self.sessions is not None, "the app opens the session store at start"

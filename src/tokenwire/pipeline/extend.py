@@ -20,14 +20,21 @@ from typing import Any
 from tokenwire.media.refs import chat_media_refs
 from tokenwire.parsers import prompt_ends_in_think
 from tokenwire.parsers.think import THINK_CLOSE
-from tokenwire.pipeline.chat_render import render_template_text
+from tokenwire.pipeline.chat_render import render_template_texts
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.offload import run_text_work
+from tokenwire.pipeline.prompt_memory import (
+    RememberedPrompt,
+    renders_generation_prompt,
+    template_options,
+)
 from tokenwire.pipeline.render import chat_request_id, chat_request_prompt, generate_request_json
+from tokenwire.pipeline.session_store import Owner
 from tokenwire.pipeline.validation import check_token_ids
 from tokenwire.protocol.chat import ChatMessage
 from tokenwire.protocol.extend import ExtendRequest
+from tokenwire.protocol.openai import ChatCompletionRequest
 
 NO_MEDIA = (
     "/v1/chat/completions/extend takes text-only messages; render conversations with media "
@@ -68,55 +75,122 @@ class Extension:
     extended: bool
     reason: str | None
     kept_tokens: int  # how many of previous_token_ids lead token_ids
+    full_text: str  # the template's text of the whole conversation
     # Extended with the history kept as sent: why the template's full render would differ.
     render_differs: str | None = None
 
 
-async def extend_chat(pipeline: Pipeline, body: ExtendRequest) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Previous:
+    """The turn a prompt extends: its ids (prompt + sampled) and the conversation they hold
+    (ending with the reply), with what the server already knows of them."""
+
+    token_ids: list[int]
+    messages: list[ChatMessage]
+    # Where the sampled ids start (a remembered prompt's length); None: search for the last
+    # generation prompt.
+    reply_start: int | None = None
+    # The template's text of messages[:-1] with its generation prompt, when remembered.
+    prompt_text: str | None = None
+
+
+async def extend_chat(pipeline: Pipeline, body: ExtendRequest, owner: Owner) -> dict[str, Any]:
     """/v1/chat/completions/extend: a GenerateRequest for the next turn, plus whether (and how
     much of) the previous ids it starts with and why not."""
     runtime = pipeline.ready(body.model)
-    if chat_media_refs([*body.previous_messages, *body.messages]):
+    previous = _previous(pipeline, runtime, body, owner)
+    if chat_media_refs([*previous.messages, *body.messages]):
         raise InvalidRequest(NO_MEDIA, "messages")
-    check_token_ids(runtime, body.previous_token_ids, "previous_token_ids")
-    result = await extension(pipeline, runtime, body)
+    result = await extension(pipeline, runtime, body, previous, keep_history=body.keep_history)
+    param = "previous_token_ids" if body.previous_prompt is None else "completion_token_ids"
     prompt = chat_request_prompt(
-        pipeline, runtime, body, result.token_ids, param="previous_token_ids"
+        pipeline, runtime, body, result.token_ids, param=param, checked=result.kept_tokens
     )
     response = generate_request_json(pipeline, chat_request_id(body), prompt, body)
     response.update(extended=result.extended, reason=result.reason, kept_tokens=result.kept_tokens)
+    if body.return_prompt_handle or body.previous_prompt is not None:
+        conversation = [*previous.messages, *body.messages]
+        full = result.full_text if renders_generation_prompt(body) else None
+        response["prompt_handle"] = pipeline.prompt_memory.remember(
+            RememberedPrompt(result.token_ids, conversation, full, template_options(body), owner)
+        )
     return response
 
 
-async def extension(pipeline: Pipeline, runtime: ModelRuntime, body: ExtendRequest) -> Extension:
-    """The next prompt's ids for ``body``, whose previous ids are checked."""
-    renders = await _renders(pipeline, runtime, body)
+def _previous(
+    pipeline: Pipeline, runtime: ModelRuntime, body: ExtendRequest, owner: Owner
+) -> Previous:
+    """The previous turn the body sends or names; the ids it sends are checked."""
+    if body.previous_prompt is None:
+        assert body.previous_token_ids is not None and body.previous_messages is not None
+        check_token_ids(runtime, body.previous_token_ids, "previous_token_ids")
+        return Previous(body.previous_token_ids, body.previous_messages)
+    assert body.completion_token_ids is not None and body.reply is not None
+    remembered = pipeline.prompt_memory.recall(body.previous_prompt, owner)
+    if remembered.template_options != template_options(body):
+        raise InvalidRequest(
+            "previous_prompt was rendered with other tools, documents, chat_template, "
+            "chat_template_kwargs or add_special_tokens than this request's: send the same",
+            "previous_prompt",
+        )
+    check_token_ids(runtime, body.completion_token_ids, "completion_token_ids")
+    token_ids = list(remembered.token_ids)
+    token_ids += body.completion_token_ids
+    return Previous(
+        token_ids,
+        [*remembered.messages, body.reply],
+        reply_start=len(remembered.token_ids),
+        prompt_text=remembered.text,
+    )
+
+
+async def extension(
+    pipeline: Pipeline,
+    runtime: ModelRuntime,
+    body: ChatCompletionRequest,
+    previous: Previous,
+    *,
+    keep_history: bool,
+) -> Extension:
+    """The next prompt's ids: ``previous`` extended by ``body.messages`` (the new messages),
+    rendered with ``body``'s template options."""
+    renders = await _renders(pipeline, runtime, body, previous)
     # Its work is comparing and encoding the renders (tools included), not only the messages.
     size = len(renders.full)
-    return await run_text_work(size, lambda: extend_ids(pipeline, runtime, body, renders))
+    return await run_text_work(
+        size, lambda: extend_ids(pipeline, runtime, body, previous, renders, keep_history)
+    )
 
 
 def extend_ids(
-    pipeline: Pipeline, runtime: ModelRuntime, body: ExtendRequest, renders: Renders
+    pipeline: Pipeline,
+    runtime: ModelRuntime,
+    body: ChatCompletionRequest,
+    previous: Previous,
+    renders: Renders,
+    keep_history: bool,
 ) -> Extension:
     """The next prompt's ids: extended where exact (or asked to), else the full render."""
     full = renders.full
     try:
-        boundary = find_boundary(runtime, body, renders)
-        if boundary.differs is None or body.keep_history:
-            previous = body.previous_token_ids
+        boundary = find_boundary(runtime, body.messages, renders)
+        if boundary.differs is None or keep_history:
             kept, closing = close_previous_turn(pipeline, runtime, previous, boundary)
-            token_ids = [*previous[:kept], *closing, *boundary.suffix_ids]
+            token_ids = previous.token_ids[:kept]
+            token_ids += closing
+            token_ids += boundary.suffix_ids
             reason = None if boundary.differs is None else f"{boundary.differs} (kept as sent)"
-            return Extension(token_ids, True, reason, kept, boundary.differs)
+            return Extension(token_ids, True, reason, kept, full, boundary.differs)
         reason = boundary.differs
     except NotExtendable as exc:
         reason = str(exc)
     token_ids = runtime.tokenizer.encode(full, add_special_tokens=body.add_special_tokens)
-    return Extension(token_ids, False, f"{reason}; returned the full render", 0)
+    return Extension(token_ids, False, f"{reason}; returned the full render", 0, full)
 
 
-def find_boundary(runtime: ModelRuntime, body: ExtendRequest, renders: Renders) -> Boundary:
+def find_boundary(
+    runtime: ModelRuntime, new_messages: list[ChatMessage], renders: Renders
+) -> Boundary:
     """Where the reply ends in the renders of the previous prompt, the conversation up to the
     reply, and ``full`` (with the new messages); the text after the reply's end-of-turn token in
     ``full`` is the suffix."""
@@ -125,14 +199,21 @@ def find_boundary(runtime: ModelRuntime, body: ExtendRequest, renders: Renders) 
         raise NotExtendable("the chat template writes no generation prompt after the history")
     if not replied.startswith(before):
         raise NotExtendable("the chat template renders earlier turns otherwise after a reply")
-    close_text, close_id, at = _last_end_of_turn(runtime, replied, start=len(before))
+    start = len(before)
+    close_text, close_id, at = _last_end_of_turn(runtime, replied, start=start)
     cut = at + len(close_text)
     # The reply's end-of-turn is the template's k-th; in ``full`` the k-th closes the same turn.
-    full_cut = _end_of_nth(full, close_text, replied.count(close_text, 0, cut))
+    # (Where ``full`` starts with the history before the reply, only the reply is searched and
+    # compared: long histories are not copied.)
+    same_start = full.startswith(before)
+    if same_start:
+        full_cut = _end_of_nth(full, close_text, replied.count(close_text, start, cut), start)
+    else:
+        full_cut = _end_of_nth(full, close_text, replied.count(close_text, 0, cut))
     differs = None
-    if any(message.role == "assistant" for message in body.messages):
+    if any(message.role == "assistant" for message in new_messages):
         differs = "the new messages include an assistant message, after the sampled reply"
-    elif full[:full_cut] != replied[:cut]:
+    elif not same_start or full[start:full_cut] != replied[start:cut]:
         differs = "the chat template renders the history otherwise once the new messages follow"
     tokenizer = runtime.tokenizer
     # Encoded after its end-of-turn token, as it is in the full render.
@@ -149,64 +230,55 @@ def find_boundary(runtime: ModelRuntime, body: ExtendRequest, renders: Renders) 
 
 
 def close_previous_turn(
-    pipeline: Pipeline, runtime: ModelRuntime, previous: Sequence[int], boundary: Boundary
+    pipeline: Pipeline, runtime: ModelRuntime, previous: Previous, boundary: Boundary
 ) -> tuple[int, list[int]]:
     """How many previous ids to keep and the ids that close the reply when generation did not.
 
-    The reply starts after the last generation prompt; it ends at its first end-of-turn token
-    (ids after it are dropped). A reply cut short (max_tokens, a stop string, abort) gets one
+    The reply starts after the remembered prompt when it ends with the generation prompt, else
+    after the last generation prompt in the ids; it ends at its first end-of-turn token (ids
+    after it are dropped). A reply cut short (max_tokens, a stop string, abort) gets one
     appended, after ``</think>`` when it was cut inside reasoning.
     """
-    opened = _rfind(previous, boundary.generation_prompt_ids)
-    if opened < 0:
-        raise NotExtendable(
-            "previous_token_ids do not contain the generation prompt this chat template writes "
-            "(were they rendered with the same template, tools and chat_template_kwargs?)"
-        )
-    start = opened + len(boundary.generation_prompt_ids)
-    for index in range(start, len(previous)):
-        if previous[index] == boundary.close_id:
+    ids, opening = previous.token_ids, boundary.generation_prompt_ids
+    start = previous.reply_start
+    if start is None or list(ids[start - len(opening) : start]) != opening:
+        opened = _rfind(ids, opening)
+        if opened < 0:
+            raise NotExtendable(
+                "previous_token_ids do not contain the generation prompt this chat template "
+                "writes (were they rendered with the same template, tools and "
+                "chat_template_kwargs?)"
+            )
+        start = opened + len(opening)
+    for index in range(start, len(ids)):
+        if ids[index] == boundary.close_id:
             return index + 1, []
     closing = [boundary.close_id]
     if pipeline.config.reasoning_parser is not None:
-        reply_text = runtime.tokenizer.decode(list(previous[opened:]))
+        reply_text = runtime.tokenizer.decode(list(ids[start - len(opening) :]))
         if prompt_ends_in_think(reply_text):
             think_close = runtime.tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
             closing = [*think_close, boundary.close_id]
-    return len(previous), closing
+    return len(ids), closing
 
 
-async def _renders(pipeline: Pipeline, runtime: ModelRuntime, body: ExtendRequest) -> Renders:
-    history = body.previous_messages
-    return Renders(
-        full=await _render(pipeline, runtime, body, [*history, *body.messages], final=True),
-        before=await _render(pipeline, runtime, body, history[:-1], generation_prompt=False),
-        prompt=await _render(pipeline, runtime, body, history[:-1], generation_prompt=True),
-        replied=await _render(pipeline, runtime, body, history, generation_prompt=False),
-    )
-
-
-async def _render(
-    pipeline: Pipeline,
-    runtime: ModelRuntime,
-    body: ExtendRequest,
-    messages: list[ChatMessage],
-    *,
-    generation_prompt: bool = False,
-    final: bool = False,
-) -> str:
-    """The template's text for ``messages`` with the request's tools, template and kwargs;
-    ``final`` is the full conversation with the request's own generation flags."""
-    flags = (
-        {
-            "add_generation_prompt": body.add_generation_prompt,
-            "continue_final_message": body.continue_final_message,
-        }
-        if final
-        else {"add_generation_prompt": generation_prompt, "continue_final_message": False}
-    )
-    options = body.model_copy(update={"messages": messages, **flags})
-    return await render_template_text(pipeline, runtime, options)
+async def _renders(
+    pipeline: Pipeline, runtime: ModelRuntime, body: ChatCompletionRequest, previous: Previous
+) -> Renders:
+    history = previous.messages
+    flags = {"add_generation_prompt": False, "continue_final_message": False}
+    renders = [
+        body.model_copy(update={"messages": [*history, *body.messages]}),  # the request's flags
+        body.model_copy(update={"messages": history[:-1], **flags}),
+        body.model_copy(update={"messages": history, **flags}),
+    ]
+    if previous.prompt_text is None:
+        prompt_flags = {**flags, "add_generation_prompt": True}
+        renders.append(body.model_copy(update={"messages": history[:-1], **prompt_flags}))
+    texts = await render_template_texts(pipeline, runtime, renders)
+    full, before, replied = texts[:3]
+    prompt = previous.prompt_text if previous.prompt_text is not None else texts[3]
+    return Renders(full=full, before=before, prompt=prompt, replied=replied)
 
 
 def _last_end_of_turn(runtime: ModelRuntime, text: str, start: int) -> tuple[str, int, int]:
@@ -222,8 +294,9 @@ def _last_end_of_turn(runtime: ModelRuntime, text: str, start: int) -> tuple[str
     return best
 
 
-def _end_of_nth(text: str, needle: str, count: int) -> int:
-    at = -len(needle)
+def _end_of_nth(text: str, needle: str, count: int, start: int = 0) -> int:
+    """The end of the ``count``-th ``needle`` in ``text`` from ``start``."""
+    at = start - len(needle)
     for _ in range(count):
         at = text.find(needle, at + len(needle))
         if at < 0:

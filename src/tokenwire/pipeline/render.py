@@ -12,10 +12,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenwire.engine.base import MultiModalInput
+from tokenwire.media.refs import chat_media_refs
 from tokenwire.pipeline.chat_render import RenderedChat, render_chat
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.offload import run_text_work
+from tokenwire.pipeline.prompt_memory import (
+    RememberedPrompt,
+    renders_generation_prompt,
+    template_options,
+)
+from tokenwire.pipeline.session_store import Owner
 from tokenwire.pipeline.validation import ValidPrompt, request_prompt
 from tokenwire.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -57,10 +64,11 @@ def chat_request_prompt(
     param: str,
     media: MultiModalInput | None = None,
     record: bool = False,
+    checked: int = 0,
 ) -> ValidPrompt:
-    """A chat request's prompt ``token_ids`` with its sampling params, checked. ``record``: the
-    engine reports the sampled tokens' logprobs even when the answer shows none (a session
-    records them)."""
+    """A chat request's prompt ``token_ids`` with its sampling params, checked (but for the
+    ``checked`` leading ids, checked before). ``record``: the engine reports the sampled tokens'
+    logprobs even when the answer shows none (a session records them)."""
     logprobs = body.num_logprobs
     return request_prompt(
         pipeline.config,
@@ -71,6 +79,7 @@ def chat_request_prompt(
         logprobs=logprobs if logprobs is not None or not record else 0,
         param=param,
         media=media,
+        checked=checked,
     )
 
 
@@ -116,17 +125,33 @@ async def completion_prompts(
     return prompts
 
 
-async def render_chat_request(pipeline: Pipeline, body: ChatCompletionRequest) -> dict[str, Any]:
-    """/v1/chat/completions/render: one GenerateRequest, with the images' features."""
+async def render_chat_request(
+    pipeline: Pipeline, body: ChatCompletionRequest, *, remember_for: Owner | None = None
+) -> dict[str, Any]:
+    """/v1/chat/completions/render: one GenerateRequest, with the images' features; with
+    ``remember_for``, the prompt is remembered for that owner and its ``prompt_handle`` added."""
     runtime = pipeline.ready(body.model)
+    if remember_for is not None and chat_media_refs(body.messages):
+        raise InvalidRequest(
+            "return_prompt_handle is for text conversations (extend takes no media)",
+            "return_prompt_handle",
+        )
     prompt = await chat_prompt(pipeline, runtime, body)
-    assert prompt.rendered is not None  # rendered, not extended
-    media = prompt.rendered.media
+    rendered = prompt.rendered
+    assert rendered is not None  # rendered, not extended
     features = None
-    if media is not None:
+    if rendered.media is not None:
         # Serialising pixel tensors is CPU work of milliseconds: off the event loop.
-        features = await asyncio.to_thread(runtime.media.features_json, media)
-    return generate_request_json(pipeline, prompt.request_id, prompt.prompt, body, features)
+        features = await asyncio.to_thread(runtime.media.features_json, rendered.media)
+    response = generate_request_json(pipeline, prompt.request_id, prompt.prompt, body, features)
+    if remember_for is not None:
+        text = rendered.text if renders_generation_prompt(body) else None
+        response["prompt_handle"] = pipeline.prompt_memory.remember(
+            RememberedPrompt(
+                rendered.token_ids, body.messages, text, template_options(body), remember_for
+            )
+        )
+    return response
 
 
 async def render_completion_request(

@@ -19,21 +19,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import orjson
+from pydantic import TypeAdapter
 
 from tokenwire.media.refs import chat_media_refs
 from tokenwire.pipeline.choice import Choice
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.dialect import arguments_object
 from tokenwire.pipeline.errors import InvalidRequest, UnknownSession
-from tokenwire.pipeline.extend import extension
+from tokenwire.pipeline.extend import Previous, extension
+from tokenwire.pipeline.prompt_memory import template_options
 from tokenwire.pipeline.render import ChatPrompt, chat_prompt, chat_request_id, chat_request_prompt
 from tokenwire.pipeline.routing import routed_experts_npy, routes_of_npy
 from tokenwire.pipeline.session_store import Head, NewTurn, Owner, Recorded, SessionStore
-from tokenwire.protocol.extend import ExtendRequest
+from tokenwire.protocol.chat import ChatMessage
 from tokenwire.protocol.openai import ChatCompletionRequest
 
 MAX_SESSION_ID_CHARS = 256
+_MESSAGES = TypeAdapter(list[ChatMessage])
 
 
 def session_id_of(value: str | None) -> str | None:
@@ -139,29 +141,31 @@ async def session_prompt(
         body = ChatCompletionRequest.model_validate(
             {**body.model_dump(exclude_unset=True), "messages": messages}
         )
-    context = _context(body)
+    # What renders the ids besides the messages: a change means a new render.
+    context = template_options(body).decode()
     reason = _rewritten(head, messages, context) if head is not None else None
     if chat_media_refs(body.messages) and head is not None and reason is None:
         reason = "the messages carry media, which extend does not take: rendered in full"
     prompt: ChatPrompt | None = None
     render_differs: str | None = None
     if head is not None and reason is None:
-        request = ExtendRequest.model_validate(
-            {
-                **body.model_dump(exclude_unset=True),
-                "messages": messages[len(head.messages) :],
-                "previous_token_ids": head.token_ids,
-                "previous_messages": head.messages,
-                "keep_history": True,
-            }
-        )
-        extended = await extension(pipeline, runtime, request)
+        new_turn = body.model_copy(update={"messages": body.messages[len(head.messages) :]})
+        # The history as recorded (a harness may have dropped its reasoning).
+        recorded = Previous(head.token_ids, _MESSAGES.validate_python(head.messages))
+        extended = await extension(pipeline, runtime, new_turn, recorded, keep_history=True)
         previous = head.token_ids
         # Extend keeps the previous ids up to the reply's end-of-turn; a turn that sampled past
         # it (ignore_eos) is not a prefix of the next prompt, so it cannot share its segment.
         if extended.extended and extended.token_ids[: len(previous)] == previous:
+            # The recorded ids were checked when their turn ran.
             ids = chat_request_prompt(
-                pipeline, runtime, body, extended.token_ids, param="messages", record=True
+                pipeline,
+                runtime,
+                body,
+                extended.token_ids,
+                param="messages",
+                record=True,
+                checked=extended.kept_tokens,
             )
             prompt = ChatPrompt(chat_request_id(body), None, ids)
             render_differs = extended.render_differs
@@ -206,19 +210,6 @@ async def continued_head(
             param,
         )
     return head
-
-
-def _context(body: ChatCompletionRequest) -> str:
-    """What renders the ids besides the messages: a change means a new render."""
-    return orjson.dumps(
-        {
-            "tools": [tool.model_dump(exclude_unset=True) for tool in body.tools or ()],
-            "chat_template": body.chat_template,
-            "chat_template_kwargs": body.chat_template_kwargs,
-            "add_special_tokens": body.add_special_tokens,
-        },
-        option=orjson.OPT_SORT_KEYS,
-    ).decode()
 
 
 def _rewritten(head: Head, messages: list[dict[str, Any]], context: str) -> str | None:

@@ -41,12 +41,18 @@ def check_token_ids(runtime: ModelRuntime, token_ids: Sequence[int], param: str)
 
 
 def check_prompt(
-    runtime: ModelRuntime, token_ids: Sequence[int], max_tokens: int | None, *, param: str
+    runtime: ModelRuntime,
+    token_ids: Sequence[int],
+    max_tokens: int | None,
+    *,
+    param: str,
+    checked: int = 0,
 ) -> int:
-    """Validate a prompt against the model; return the max_tokens to use (default: what fits)."""
+    """Validate a prompt against the model; return the max_tokens to use (default: what fits).
+    ``checked``: how many leading ids were checked already (extend's previous ids)."""
     if not token_ids:
         raise InvalidRequest("The prompt is empty", param)
-    check_token_ids(runtime, token_ids, param)
+    check_token_ids(runtime, token_ids[checked:] if checked else token_ids, param)
     limit = runtime.max_model_len
     if len(token_ids) >= limit:
         raise InvalidRequest(
@@ -205,13 +211,16 @@ def request_prompt(
     logprobs: int | None,
     param: str,
     media: MultiModalInput | None = None,
+    checked: int = 0,
 ) -> ValidPrompt:
     """A chat or completion request's prompt with the generate ``sampling_params`` it makes.
 
     ``max_tokens`` 0 (an echo of the prompt alone) runs one step whose token is dropped.
+    ``checked``: how many leading ids were checked already.
     """
     prompt_only = max_tokens == 0
-    max_tokens = check_prompt(runtime, token_ids, 1 if prompt_only else max_tokens, param=param)
+    max_tokens = 1 if prompt_only else max_tokens
+    max_tokens = check_prompt(runtime, token_ids, max_tokens, param=param, checked=checked)
     try:
         sampling = body.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
     except ValueError as exc:

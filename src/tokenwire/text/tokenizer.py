@@ -2,7 +2,9 @@
 
 Encoding and decoding go straight to the Rust ``tokenizers`` backend (the transformers wrapper
 adds Python overhead per call); the transformers object is kept for what only it knows
-(special-token attributes, the chat template source).
+(special-token attributes, the chat template source). Long texts are encoded piece by piece
+between added tokens, remembering the pieces (``PieceEncoder``): a conversation's next render
+encodes only its new messages.
 """
 
 from __future__ import annotations
@@ -12,6 +14,12 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as RustTokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from tokenwire.text.piece_encoder import PieceEncoder
+
+# Below this many characters a text is encoded whole: splitting and looking up pieces would cost
+# about what encoding them does.
+PIECEWISE_MIN_CHARS = 4096
 
 
 class Tokenizer:
@@ -29,12 +37,21 @@ class Tokenizer:
         self.vocab_size: int = len(hf_tokenizer)
         self.eos_token_id: int | None = hf_tokenizer.eos_token_id
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        self.pieces = PieceEncoder.for_backend(backend)
+        # Special tokens encode adds (a BOS) would sit before the first piece, not in every one.
+        self._adds_special_tokens = backend.num_special_tokens_to_add(False) > 0
 
     @classmethod
     def load(cls, model_dir: Path) -> Tokenizer:
         return cls(AutoTokenizer.from_pretrained(str(model_dir)))
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        if (
+            self.pieces is not None
+            and len(text) >= PIECEWISE_MIN_CHARS
+            and not (add_special_tokens and self._adds_special_tokens)
+        ):
+            return self.pieces.encode(text)
         # The batch entry point skips offsets bookkeeping: same ids, about 17% faster here.
         return self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 

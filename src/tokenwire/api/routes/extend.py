@@ -7,7 +7,7 @@ from starlette.responses import Response
 
 from tokenwire.api.control_key import STATELESS
 from tokenwire.api.responses import OrjsonResponse
-from tokenwire.api.state import pipeline_of
+from tokenwire.api.state import owner_of, pipeline_of
 from tokenwire.pipeline.extend import extend_chat
 from tokenwire.protocol.extend import ExtendRequest
 from tokenwire.protocol.responses import ExtendResponse
@@ -17,4 +17,4 @@ router = APIRouter(tags=["render", STATELESS])
 
 @router.post("/v1/chat/completions/extend", response_model=ExtendResponse)
 async def extend_chat_completion(body: ExtendRequest, request: Request) -> Response:
-    return OrjsonResponse(await extend_chat(pipeline_of(request), body))
+    return OrjsonResponse(await extend_chat(pipeline_of(request), body, owner_of(request)))

@@ -97,8 +97,9 @@ def exact_builtins(value: Any) -> bool:
     except (ValueError, RecursionError):
         return False
     # A lone surrogate (which strict JSON parsers refuse) is the one str that is not UTF-8;
-    # marshal writes it as ED A0..BF. Binary fields may match too: the walk then decides.
-    return _SURROGATE_BYTES.search(data) is None
+    # marshal writes it as ED A0..BF. Binary fields may match too: the walk then decides. (The
+    # byte search first: a regex over a long conversation costs 20x more.)
+    return b"\xed" not in data or _SURROGATE_BYTES.search(data) is None
 
 
 def _rebuild(value: Any) -> Any:

@@ -1,0 +1,107 @@
+"""Prompts the server remembers, so that the next turn's extend names one instead of resending it.
+
+A render or extend asked for a ``prompt_handle`` keeps its prompt ids, the conversation they hold
+and the template's text of it under a random handle; an extend that names the handle sends only
+the ids sampled after it, the reply and the new messages, and pays for those (issue 33: 74 ms of
+re-checking and re-rendering a 74K-token history every turn before). Entries never change (a
+handle can be extended twice: a search tree); the least recently used go first once they hold
+``--prompt-memory-bytes``. A handle is a capability: only the credential that asked for it (or
+the control key) can use it, and one it cannot use looks like one that was never made.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import orjson
+
+from tokenwire.pipeline.errors import InvalidRequest
+from tokenwire.pipeline.session_store import Owner
+from tokenwire.protocol.chat import ChatMessage
+from tokenwire.protocol.openai import ChatCompletionRequest
+
+# A list's int: its object and the list's pointer to it.
+_BYTES_PER_ID = 36
+UNKNOWN_HANDLE = (
+    "previous_prompt: no prompt with this handle (never made, evicted from "
+    "--prompt-memory-bytes, or made by another credential or server process): send "
+    "previous_token_ids and previous_messages instead"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RememberedPrompt:
+    token_ids: Sequence[int]
+    messages: list[ChatMessage]  # the conversation the ids hold
+    # The template's text of ``messages`` with a generation prompt (what extend renders as the
+    # next turn's "prompt"), or None when it was rendered with other flags.
+    text: str | None
+    template_options: bytes  # what else the template read (``template_options``)
+    owner: Owner
+
+    @property
+    def size(self) -> int:
+        text = sys.getsizeof(self.text) if self.text is not None else 0
+        # The messages hold about the text's characters once more.
+        return _BYTES_PER_ID * len(self.token_ids) + 2 * text
+
+
+def template_options(body: ChatCompletionRequest) -> bytes:
+    """What a render reads besides the messages; a remembered prompt extends only under the
+    same."""
+    options = {
+        "tools": [tool.model_dump(exclude_unset=True) for tool in body.tools or ()],
+        "documents": body.documents,
+        "chat_template": body.chat_template,
+        "chat_template_kwargs": body.chat_template_kwargs,
+        "add_special_tokens": body.add_special_tokens,
+    }
+    return orjson.dumps(options, option=orjson.OPT_SORT_KEYS)
+
+
+def renders_generation_prompt(body: ChatCompletionRequest) -> bool:
+    """Whether ``body``'s render is the one extend needs of a history (what a reply follows)."""
+    return body.add_generation_prompt and not body.continue_final_message
+
+
+class PromptMemory:
+    """The remembered prompts, by handle; one per server process."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, RememberedPrompt] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def remember(self, prompt: RememberedPrompt) -> str | None:
+        """The prompt's handle; None where this server remembers none (a client then sends
+        the full form, as after an eviction)."""
+        if self.max_bytes <= 0:
+            return None
+        handle = f"prompt-{secrets.token_hex(16)}"
+        size = prompt.size
+        with self._lock:
+            self._entries[handle] = prompt
+            self._bytes += size
+            while self._bytes > self.max_bytes and len(self._entries) > 1:
+                _, old = self._entries.popitem(last=False)
+                self._bytes -= old.size
+        return handle
+
+    def recall(self, handle: str, owner: Owner) -> RememberedPrompt:
+        with self._lock:
+            prompt = self._entries.get(handle)
+            if prompt is not None:
+                self._entries.move_to_end(handle)
+        if prompt is None or not (owner.control or prompt.owner.digest == owner.digest):
+            raise InvalidRequest(UNKNOWN_HANDLE, "previous_prompt")
+        return prompt
+
+    @property
+    def held_bytes(self) -> int:
+        return self._bytes
