@@ -9,6 +9,8 @@ bound, expired, or a full disk: the turn is still answered, and its headers say 
 from __future__ import annotations
 
 import asyncio
+import shutil
+import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -572,3 +574,56 @@ def test_stateful_forms_continue_a_session(app: FastApp) -> None:
     assert_exact(result)
     stale = app.client.post("/v1/responses", json=body, headers=headers)
     assert stale.status_code == 400 and "last answer" in stale.text
+
+
+CHROMIUM = shutil.which("chromium")
+
+
+def test_a_twenty_turn_episode_views_as_a_page(app: FastApp, tmp_path: Path) -> None:
+    """Twenty tool-call turns of the openai SDK, then ``/v1/sessions/{id}/view`` loaded in
+    headless Chromium (Debian's package): every turn is there, with exactly its sampled tokens
+    marked (the loss mask), each titled with its id and logprob; another key gets a 404."""
+    call = [*app.tokenize(THINK_AND_CALL), IM_END]
+    app.engine.script = lambda *_: call
+    client = openai.OpenAI(
+        base_url="http://testserver/v1",
+        api_key=API_KEY,
+        http_client=app.client,
+        max_retries=0,
+        default_headers={"X-Session-ID": "twenty"},
+    )
+    messages: list[Any] = [{"role": "user", "content": "Weather in Paris, then 19 more cities?"}]
+    for index in range(20):
+        reply = client.chat.completions.create(
+            model="qwen3-tiny", messages=messages, tools=_chat_tools(ANTHROPIC_TOOLS), logprobs=True
+        )
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        for tool_call in message.tool_calls or ():
+            messages.append({"role": "tool", "tool_call_id": tool_call.id, "content": f"{index} C"})
+    recorded = trajectory(app, "twenty")
+    assert len(recorded["turns"]) == 20 and len(recorded["segments"]) == 1
+    page = app.client.get("/v1/sessions/twenty/view")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert app.client.get("/v1/sessions/twenty/view", headers=bearer(OTHER_KEY)).status_code == 404
+    if CHROMIUM is None:
+        pytest.skip("no chromium to render the page (Debian: apt-get install chromium)")
+    saved = tmp_path / "view.html"
+    saved.write_text(page.text)
+    shown = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", saved.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    dom = shown.stdout
+    for index in range(20):
+        assert f'id="turn-{index}"' in dom
+    # The sampled spans are the mask's ones, token for token.
+    segment = recorded["segments"][0]
+    assert dom.count('class="tok sampled"') == sum(segment["loss_mask"])
+    assert dom.count('class="tok prompt"') == len(segment["loss_mask"]) - sum(segment["loss_mask"])
+    first_sampled = recorded["turns"][0]["sampled_ids"][0]
+    logprob = recorded["turns"][0]["logprobs"][0]
+    assert f'title="id {first_sampled}, logprob {logprob:.4f}' in dom

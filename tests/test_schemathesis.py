@@ -64,6 +64,7 @@ OPERATIONS = [
     ("POST", "/v1/responses/render"),
     ("GET", "/v1/sessions"),
     ("GET", "/v1/sessions/{session_id}"),
+    ("GET", "/v1/sessions/{session_id}/view"),
     ("DELETE", "/v1/sessions/{session_id}"),
 ]
 # Negative cases need an input to break: only the POST routes take one.

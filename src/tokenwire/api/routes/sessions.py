@@ -1,4 +1,5 @@
-"""Recorded sessions: GET /v1/sessions, GET and DELETE /v1/sessions/{session_id}.
+"""Recorded sessions: GET /v1/sessions, GET and DELETE /v1/sessions/{session_id}, and GET
+/v1/sessions/{session_id}/view (the same, as a page).
 
 A session is its owner's (the credential that created it) and the control key's: to any other
 key it does not exist (404), and the list holds only the caller's own sessions.
@@ -6,15 +7,17 @@ key it does not exist (404), and the list holds only the caller's own sessions.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
-from starlette.responses import Response
+from starlette.responses import HTMLResponse, Response
 
 from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.state import owner_of, pipeline_of
 from tokenwire.pipeline.errors import UnknownSession
+from tokenwire.pipeline.session_view import view_html
 from tokenwire.pipeline.sessions import trajectory
 
 router = APIRouter(tags=["sessions"])
@@ -62,6 +65,20 @@ async def list_sessions(request: Request) -> Response:
 async def get_session(session_id: str, request: Request) -> Response:
     store = pipeline_of(request).session_store()
     return OrjsonResponse(await trajectory(store, session_id, owner_of(request)))
+
+
+@router.get(
+    "/v1/sessions/{session_id}/view",
+    response_class=HTMLResponse,
+    responses={**_NOT_FOUND, 200: {"content": {"text/html": {}}}},
+)
+async def view_session(session_id: str, request: Request) -> Response:
+    """The session as a page: each turn's tokens, sampled ones shaded by logprob."""
+    pipeline = pipeline_of(request)
+    recorded = await trajectory(pipeline.session_store(), session_id, owner_of(request))
+    decoder = pipeline.ready().decoder
+    page = await asyncio.to_thread(view_html, recorded, decoder)
+    return HTMLResponse(page)
 
 
 @router.delete("/v1/sessions/{session_id}", response_model=Deleted, responses=_NOT_FOUND)
