@@ -67,6 +67,16 @@ def claude(app: FastApp, session: str) -> anthropic.Anthropic:
     )
 
 
+def gpt(app: FastApp, session: str) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url="http://testserver/v1",
+        api_key=API_KEY,
+        http_client=app.client,
+        max_retries=0,
+        default_headers={"X-Session-ID": session},
+    )
+
+
 def trajectory(app: FastApp, session: str) -> dict[str, Any]:
     response = app.client.get(f"/v1/sessions/{session}")
     assert response.status_code == 200, response.text
@@ -153,13 +163,7 @@ def test_compacted_history_starts_a_segment(app: FastApp) -> None:
 
 
 def test_responses_and_chat_sessions(app: FastApp) -> None:
-    client = openai.OpenAI(
-        base_url="http://testserver/v1",
-        api_key=API_KEY,
-        http_client=app.client,
-        max_retries=0,
-        default_headers={"X-Session-ID": "codex"},
-    )
+    client = gpt(app, "codex")
     tools = [{"type": "function", **t["function"]} for t in _chat_tools(ANTHROPIC_TOOLS)]
     items: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
     first = client.responses.create(model="qwen3-tiny", input=items, tools=tools)
@@ -585,13 +589,7 @@ def test_a_twenty_turn_episode_views_as_a_page(app: FastApp, tmp_path: Path) -> 
     marked (the loss mask), each titled with its id and logprob; another key gets a 404."""
     call = [*app.tokenize(THINK_AND_CALL), IM_END]
     app.engine.script = lambda *_: call
-    client = openai.OpenAI(
-        base_url="http://testserver/v1",
-        api_key=API_KEY,
-        http_client=app.client,
-        max_retries=0,
-        default_headers={"X-Session-ID": "twenty"},
-    )
+    client = gpt(app, "twenty")
     messages: list[Any] = [{"role": "user", "content": "Weather in Paris, then 19 more cities?"}]
     for index in range(20):
         reply = client.chat.completions.create(
