@@ -603,6 +603,7 @@ def test_a_twenty_turn_episode_views_as_a_page(app: FastApp, tmp_path: Path) -> 
     assert len(recorded["turns"]) == 20 and len(recorded["segments"]) == 1
     page = app.client.get("/v1/sessions/twenty/view")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert page.headers["content-security-policy"].startswith("default-src 'none'")
     assert app.client.get("/v1/sessions/twenty/view", headers=bearer(OTHER_KEY)).status_code == 404
     if CHROMIUM is None:
         pytest.skip("no chromium to render the page (Debian: apt-get install chromium)")

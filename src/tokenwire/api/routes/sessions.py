@@ -52,6 +52,7 @@ class Deleted(BaseModel):
     deleted: bool
 
 
+VIEW_POLICY = "default-src 'none'; style-src 'unsafe-inline'"
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "Unknown session"}}
 
 
@@ -78,7 +79,9 @@ async def view_session(session_id: str, request: Request) -> Response:
     recorded = await trajectory(pipeline.session_store(), session_id, owner_of(request))
     decoder = pipeline.ready().decoder
     page = await asyncio.to_thread(view_html, recorded, decoder)
-    return HTMLResponse(page)
+    # The page is recorded model output: should any of it ever escape its escaping, nothing in
+    # it may run or load.
+    return HTMLResponse(page, headers={"Content-Security-Policy": VIEW_POLICY})
 
 
 @router.delete("/v1/sessions/{session_id}", response_model=Deleted, responses=_NOT_FOUND)
