@@ -14,6 +14,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as RustTokenizer
 
 from tests.chat_fixtures import CONVERSATIONS
+from tests.test_logprob_tokens import load
 from tokenwire.assets import prepare
 from tokenwire.text.chat_template import ChatTemplate, load_model_chat_template
 from tokenwire.text.piece_encoder import PieceEncoder
@@ -21,11 +22,6 @@ from tokenwire.text.tokenizer import PIECEWISE_MIN_CHARS, Tokenizer
 
 MODELS = ["qwen3-tiny", "smollm2-135m-instruct", "qwen2-vl-tiny"]
 WORDS = ["the", " model", "réponse", "数据", "e\u0301", "\u212b", "🙂", "\r\n", "\t", "  ", "12345"]
-
-
-@functools.cache
-def load(name: str) -> Tokenizer:
-    return Tokenizer.load(prepare(name))
 
 
 @pytest.fixture(scope="module", params=MODELS)

@@ -24,11 +24,7 @@ from tokenwire.pipeline.chat_render import render_template_texts
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.offload import run_text_work
-from tokenwire.pipeline.prompt_memory import (
-    RememberedPrompt,
-    renders_generation_prompt,
-    template_options,
-)
+from tokenwire.pipeline.prompt_memory import template_options
 from tokenwire.pipeline.render import chat_request_id, chat_request_prompt, generate_request_json
 from tokenwire.pipeline.session_store import Owner
 from tokenwire.pipeline.validation import check_token_ids
@@ -110,9 +106,8 @@ async def extend_chat(pipeline: Pipeline, body: ExtendRequest, owner: Owner) -> 
     response.update(extended=result.extended, reason=result.reason, kept_tokens=result.kept_tokens)
     if body.return_prompt_handle or body.previous_prompt is not None:
         conversation = [*previous.messages, *body.messages]
-        full = result.full_text if renders_generation_prompt(body) else None
-        response["prompt_handle"] = pipeline.prompt_memory.remember(
-            RememberedPrompt(result.token_ids, conversation, full, template_options(body), owner)
+        response["prompt_handle"] = pipeline.prompt_memory.remember_render(
+            body, result.token_ids, conversation, result.full_text, owner
         )
     return response
 

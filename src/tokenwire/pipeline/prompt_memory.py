@@ -64,11 +64,6 @@ def template_options(body: ChatCompletionRequest) -> bytes:
     return orjson.dumps(options, option=orjson.OPT_SORT_KEYS)
 
 
-def renders_generation_prompt(body: ChatCompletionRequest) -> bool:
-    """Whether ``body``'s render is the one extend needs of a history (what a reply follows)."""
-    return body.add_generation_prompt and not body.continue_final_message
-
-
 class PromptMemory:
     """The remembered prompts, by handle; one per server process."""
 
@@ -92,6 +87,23 @@ class PromptMemory:
                 _, old = self._entries.popitem(last=False)
                 self._bytes -= old.size
         return handle
+
+    def remember_render(
+        self,
+        body: ChatCompletionRequest,
+        token_ids: Sequence[int],
+        messages: list[ChatMessage],
+        text: str,
+        owner: Owner,
+    ) -> str | None:
+        """Remember what ``body`` rendered (``messages`` -> ``text`` -> ``token_ids``); the text
+        is kept only where it is the render extend needs of a history, the one a reply follows
+        (a generation prompt, no continued final message)."""
+        follows = body.add_generation_prompt and not body.continue_final_message
+        kept_text = text if follows else None
+        return self.remember(
+            RememberedPrompt(token_ids, messages, kept_text, template_options(body), owner)
+        )
 
     def recall(self, handle: str, owner: Owner) -> RememberedPrompt:
         with self._lock:

@@ -17,11 +17,6 @@ from tokenwire.pipeline.chat_render import RenderedChat, render_chat
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.offload import run_text_work
-from tokenwire.pipeline.prompt_memory import (
-    RememberedPrompt,
-    renders_generation_prompt,
-    template_options,
-)
 from tokenwire.pipeline.session_store import Owner
 from tokenwire.pipeline.validation import ValidPrompt, request_prompt
 from tokenwire.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -145,11 +140,8 @@ async def render_chat_request(
         features = await asyncio.to_thread(runtime.media.features_json, rendered.media)
     response = generate_request_json(pipeline, prompt.request_id, prompt.prompt, body, features)
     if remember_for is not None:
-        text = rendered.text if renders_generation_prompt(body) else None
-        response["prompt_handle"] = pipeline.prompt_memory.remember(
-            RememberedPrompt(
-                rendered.token_ids, body.messages, text, template_options(body), remember_for
-            )
+        response["prompt_handle"] = pipeline.prompt_memory.remember_render(
+            body, rendered.token_ids, body.messages, rendered.text, remember_for
         )
     return response
 
