@@ -15,8 +15,10 @@ from tokenwire.protocol.common import (
     NonNegativeInt64,
     RequestModel,
     Temperature,
+    ToolSchema,
     TopK,
     TopP,
+    UniqueToolNames,
 )
 
 
@@ -76,7 +78,7 @@ class AnthropicMessage(RequestModel):
 class AnthropicTool(RequestModel):
     name: str = Field(min_length=1)
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: Annotated[dict[str, Any], ToolSchema]
 
 
 class ToolChoice(RequestModel):
@@ -96,7 +98,7 @@ class CountTokensRequest(RequestModel):
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
-    tools: list[AnthropicTool] | None = None
+    tools: Annotated[list[AnthropicTool], UniqueToolNames] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
 
