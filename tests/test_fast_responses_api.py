@@ -157,6 +157,30 @@ def test_history_renders_as_the_chat_route(fast_qwen3: FastApp) -> None:
             },
             "64 bits",
         ),
+        # A forcing tool choice without tools was dropped silently (text answered).
+        ({"input": WEATHER, "tool_choice": "required"}, "offers no tools"),
+        (
+            {"input": WEATHER, "tool_choice": {"type": "function", "name": "get_weather"}},
+            "offers no tools",
+        ),
+        (
+            {"input": WEATHER, "tools": [*RESPONSES_TOOLS, RESPONSES_TOOLS[0]]},
+            "tools: tool names must be unique: 'get_weather' is offered twice",
+        ),
+        (
+            {
+                "input": WEATHER,
+                "tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}],
+            },
+            "tools.0.parameters: a tool's schema must have type 'object'",
+        ),
+        # A stored prompt template was ignored: the answer came from a prompt without it.
+        ({"input": WEATHER, "prompt": {"id": "pmpt_1"}}, "prompt is not supported"),
+        # Accepted without effect, but only with values the API has (vLLM's 400s).
+        ({"input": WEATHER, "reasoning": {"effort": "huge"}}, "reasoning.effort"),
+        ({"input": WEATHER, "reasoning": {"summary": "long"}}, "reasoning.summary"),
+        ({"input": WEATHER, "truncation": "middle"}, "truncation"),
+        ({"input": WEATHER, "include": ["message.logprobs"]}, "include.0"),
     ],
 )
 def test_malformed_requests_are_400(
@@ -165,6 +189,28 @@ def test_malformed_requests_are_400(
     calls = len(fast_qwen3.engine.calls)
     response = fast_qwen3.client.post("/v1/responses", json=body)
     assert response.status_code == 400, response.text
-    assert message_part in response.json()["error"]["message"]
+    error = response.json()["error"]
+    assert message_part in error["message"]
+    assert error["param"] and error["param"].split(".")[0] in error["message"], error
     assert len(fast_qwen3.engine.calls) == calls
     assert IM_END  # the module's scripts end with Qwen3's end of turn
+
+
+def test_sdk_fields_accepted_without_effect(fast_qwen3: FastApp) -> None:
+    """What the SDK sends for the fields checked above stays a 200."""
+    script(fast_qwen3, "Sunny.")
+    response = openai_client(fast_qwen3).responses.create(
+        model="qwen3-tiny",
+        input=WEATHER,
+        reasoning={"effort": "low", "summary": "auto"},
+        truncation="auto",
+        include=["reasoning.encrypted_content", "message.output_text.logprobs"],
+        tools=[{"type": "function", "name": "f", "parameters": None, "strict": False}],
+        tool_choice="auto",
+        max_output_tokens=8,
+    )
+    assert response.output_text == "Sunny."
+    # tool_choice auto forces nothing: no tools needed.
+    script(fast_qwen3, "Sunny.")
+    body = {"input": WEATHER, "tool_choice": "auto", "max_output_tokens": 8}
+    assert fast_qwen3.client.post("/v1/responses", json=body).status_code == 200
