@@ -6,6 +6,7 @@ refused with a 400."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import openai
@@ -15,6 +16,7 @@ from tests.chat_fixtures import TOOLS
 from tests.conftest import API_KEY
 from tests.fast_app import FastApp
 from tests.test_fast_anthropic import IM_END, THINK_AND_CALL, named_events, script
+from tokenwire.protocol.common import MAX_TOOLS
 
 RESPONSES_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
 WEATHER = "What is the weather in Paris?"
@@ -214,3 +216,41 @@ def test_sdk_fields_accepted_without_effect(fast_qwen3: FastApp) -> None:
     script(fast_qwen3, "Sunny.")
     body = {"input": WEATHER, "tool_choice": "auto", "max_output_tokens": 8}
     assert fast_qwen3.client.post("/v1/responses", json=body).status_code == 200
+
+
+@pytest.mark.parametrize("route", ["/v1/responses", "/v1/messages", "/v1/chat/completions"])
+def test_too_many_tools_are_a_400_and_others_are_answered(fast_qwen3: FastApp, route: str) -> None:
+    """Over MAX_TOOLS the list is refused before its tools are read (10,000 tools, 11 MB, held
+    the event loop for up to 1.2 s); /health sent while it is handled is answered."""
+    tool = RESPONSES_TOOLS[0]
+    if route == "/v1/responses":
+        tools: list[dict[str, Any]] = [{**tool, "name": f"f{i}"} for i in range(MAX_TOOLS + 1)]
+        body: dict[str, Any] = {"input": WEATHER, "tools": tools}
+    elif route == "/v1/messages":
+        tools = [
+            {"name": f"f{i}", "input_schema": tool["parameters"]} for i in range(MAX_TOOLS + 1)
+        ]
+        body = {"messages": [{"role": "user", "content": WEATHER}], "max_tokens": 8}
+        body["tools"] = tools
+    else:
+        tools = [
+            {"type": "function", "function": {"name": f"f{i}", "parameters": tool["parameters"]}}
+            for i in range(MAX_TOOLS + 1)
+        ]
+        body = {"messages": [{"role": "user", "content": WEATHER}], "tools": tools}
+    calls = len(fast_qwen3.engine.calls)
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(fast_qwen3.client.post, route, json=body)
+        healthy = 0
+        while not big.done() or not healthy:
+            assert fast_qwen3.client.get("/health").status_code == 200
+            healthy += 1
+        response = big.result()
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools", error
+    assert f"at most {MAX_TOOLS} tools" in error["message"]
+    assert len(fast_qwen3.engine.calls) == calls
+    # At the bound, the list is read (the prompt is then too long for this model: a 400 for it).
+    body["tools"] = tools[:MAX_TOOLS]
+    assert "tools" not in str(fast_qwen3.client.post(route, json=body).json()["error"]["param"])

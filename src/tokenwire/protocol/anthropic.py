@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenwire.protocol.common import (
+    BoundedTools,
     NonNegativeInt64,
     RequestModel,
     Temperature,
@@ -98,7 +99,7 @@ class CountTokensRequest(RequestModel):
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
-    tools: Annotated[list[AnthropicTool], UniqueToolNames] | None = None
+    tools: Annotated[list[AnthropicTool], BoundedTools, UniqueToolNames] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
 

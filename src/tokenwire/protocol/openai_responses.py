@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from tokenwire.protocol.common import (
+    BoundedTools,
     EchoedJson,
     NonNegativeInt64,
     RequestModel,
@@ -122,7 +123,7 @@ class ResponsesRequest(RequestModel):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
-    tools: Annotated[list[FunctionTool], UniqueToolNames] | None = None
+    tools: Annotated[list[FunctionTool], BoundedTools, UniqueToolNames] | None = None
     tool_choice: Literal["auto", "none", "required"] | ToolChoiceFunction | None = None
     max_output_tokens: NonNegativeInt64 | None = Field(default=None, ge=1)
     temperature: Temperature | None = None
