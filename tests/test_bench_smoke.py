@@ -25,6 +25,7 @@ BENCH = ROOT / "bench"
 HELPERS = {"serverbench.py", "bare_tokenize_app.py"}
 # Benchmarks that load no model weights (tokenizers and the fake engine only).
 MODEL_FREE = {
+    "bench_big_tools.py",
     "bench_body_checks.py",
     "bench_derender.py",
     "bench_extend.py",

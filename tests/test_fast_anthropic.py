@@ -58,6 +58,22 @@ def named_events(fast: FastApp, path: str, body: dict[str, Any]) -> list[str]:
     return types
 
 
+# A history whose assistant turn called a tool, and the user turn that answers it.
+CALLED = [
+    *WEATHER,
+    {
+        "role": "assistant",
+        "content": [
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "P"}}
+        ],
+    },
+]
+TOOL_RESULT = {
+    "role": "user",
+    "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}],
+}
+
+
 def script(fast: FastApp, text: str) -> list[int]:
     ids = [*fast.tokenize(text), IM_END]
     fast.engine.script = lambda *_: ids
@@ -215,7 +231,37 @@ def test_tool_result_renders_as_tool_message(fast_qwen3: FastApp) -> None:
         (
             [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope"}]}],
             {},
-            "no earlier assistant message",
+            "the previous assistant message does not have",
+        ),
+        # Anthropic's pairing: a result answers a call of the previous assistant message, once,
+        # and every call there is answered in the next user message.
+        (
+            [*CALLED, TOOL_RESULT, {"role": "assistant", "content": "Sunny."}, TOOL_RESULT],
+            {"tools": ANTHROPIC_TOOLS},
+            "messages.4.content.0: tool_result for tool_use id 'toolu_1', which the previous",
+        ),
+        (
+            [*CALLED, {"role": "user", "content": TOOL_RESULT["content"] * 2}],
+            {"tools": ANTHROPIC_TOOLS},
+            "messages.2.content.1: tool_result for tool_use id 'toolu_1'",
+        ),
+        (
+            [*CALLED, {"role": "user", "content": "And tomorrow?"}],
+            {"tools": ANTHROPIC_TOOLS},
+            "messages.1: tool_use ids ['toolu_1'] have no tool_result",
+        ),
+        # A forcing tool choice without tools was dropped silently (text answered).
+        (WEATHER, {"tool_choice": {"type": "any"}}, "offers no tools"),
+        (WEATHER, {"tool_choice": {"type": "tool", "name": "get_weather"}}, "offers no tools"),
+        (
+            WEATHER,
+            {"tools": [*ANTHROPIC_TOOLS, ANTHROPIC_TOOLS[0]]},
+            "tools: tool names must be unique: 'get_weather' is offered twice",
+        ),
+        (
+            WEATHER,
+            {"tools": [{"name": "f", "input_schema": {"type": "string"}}]},
+            "tools.0.input_schema: a tool's schema must have type 'object'",
         ),
         ([{"role": "user", "content": [{"type": "video", "x": 1}]}], {}, "messages"),
         ([{"role": "user", "content": [{"type": "text"}]}], {}, "text"),
@@ -238,8 +284,33 @@ def test_malformed_requests_are_400(
     body = {"model": "qwen3-tiny", "max_tokens": 8, "messages": messages, **extra}
     response = fast_qwen3.client.post("/v1/messages", json=body)
     assert response.status_code == 400, response.text
-    assert message_part in response.json()["error"]["message"]
+    error = response.json()["error"]
+    assert message_part in error["message"]
+    assert error["param"] and error["param"].split(".")[0] in error["message"], error
     assert len(fast_qwen3.engine.calls) == calls
+
+
+@pytest.mark.parametrize(
+    ("messages", "extra"),
+    [
+        # A schema without ``type`` is an object's (vLLM's default); tool_choice auto forces
+        # nothing, so it needs no tools.
+        (WEATHER, {"tools": [{"name": "f", "input_schema": {"properties": {}}}]}),
+        (WEATHER, {"tool_choice": {"type": "auto"}}),
+        (WEATHER, {"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "none"}}),
+        # Consecutive user messages are one turn to Anthropic: results may be in either.
+        ([*CALLED, {"role": "user", "content": "Here:"}, TOOL_RESULT], {"tools": ANTHROPIC_TOOLS}),
+        # A final assistant message's calls (a prefill) need no answer.
+        (CALLED, {"tools": ANTHROPIC_TOOLS}),
+    ],
+)
+def test_valid_tool_bodies_are_answered(
+    fast_qwen3: FastApp, messages: list[Any], extra: dict[str, Any]
+) -> None:
+    script(fast_qwen3, "Sunny.")
+    body = {"model": "qwen3-tiny", "max_tokens": 8, "messages": messages, **extra}
+    response = fast_qwen3.client.post("/v1/messages", json=body)
+    assert response.status_code == 200, response.text
 
 
 def test_sdk_sees_errors(fast_qwen3: FastApp) -> None:

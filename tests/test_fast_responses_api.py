@@ -6,6 +6,7 @@ refused with a 400."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import openai
@@ -15,6 +16,7 @@ from tests.chat_fixtures import TOOLS
 from tests.conftest import API_KEY
 from tests.fast_app import FastApp
 from tests.test_fast_anthropic import IM_END, THINK_AND_CALL, named_events, script
+from tokenwire.protocol.common import MAX_TOOLS
 
 RESPONSES_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
 WEATHER = "What is the weather in Paris?"
@@ -157,6 +159,30 @@ def test_history_renders_as_the_chat_route(fast_qwen3: FastApp) -> None:
             },
             "64 bits",
         ),
+        # A forcing tool choice without tools was dropped silently (text answered).
+        ({"input": WEATHER, "tool_choice": "required"}, "offers no tools"),
+        (
+            {"input": WEATHER, "tool_choice": {"type": "function", "name": "get_weather"}},
+            "offers no tools",
+        ),
+        (
+            {"input": WEATHER, "tools": [*RESPONSES_TOOLS, RESPONSES_TOOLS[0]]},
+            "tools: tool names must be unique: 'get_weather' is offered twice",
+        ),
+        (
+            {
+                "input": WEATHER,
+                "tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}],
+            },
+            "tools.0.parameters: a tool's schema must have type 'object'",
+        ),
+        # A stored prompt template was ignored: the answer came from a prompt without it.
+        ({"input": WEATHER, "prompt": {"id": "pmpt_1"}}, "prompt is not supported"),
+        # Accepted without effect, but only with values the API has (vLLM's 400s).
+        ({"input": WEATHER, "reasoning": {"effort": "huge"}}, "reasoning.effort"),
+        ({"input": WEATHER, "reasoning": {"summary": "long"}}, "reasoning.summary"),
+        ({"input": WEATHER, "truncation": "middle"}, "truncation"),
+        ({"input": WEATHER, "include": ["message.logprobs"]}, "include.0"),
     ],
 )
 def test_malformed_requests_are_400(
@@ -165,6 +191,66 @@ def test_malformed_requests_are_400(
     calls = len(fast_qwen3.engine.calls)
     response = fast_qwen3.client.post("/v1/responses", json=body)
     assert response.status_code == 400, response.text
-    assert message_part in response.json()["error"]["message"]
+    error = response.json()["error"]
+    assert message_part in error["message"]
+    assert error["param"] and error["param"].split(".")[0] in error["message"], error
     assert len(fast_qwen3.engine.calls) == calls
     assert IM_END  # the module's scripts end with Qwen3's end of turn
+
+
+def test_sdk_fields_accepted_without_effect(fast_qwen3: FastApp) -> None:
+    """What the SDK sends for the fields checked above stays a 200."""
+    script(fast_qwen3, "Sunny.")
+    response = openai_client(fast_qwen3).responses.create(
+        model="qwen3-tiny",
+        input=WEATHER,
+        reasoning={"effort": "low", "summary": "auto"},
+        truncation="auto",
+        include=["reasoning.encrypted_content", "message.output_text.logprobs"],
+        tools=[{"type": "function", "name": "f", "parameters": None, "strict": False}],
+        tool_choice="auto",
+        max_output_tokens=8,
+    )
+    assert response.output_text == "Sunny."
+    # tool_choice auto forces nothing: no tools needed.
+    script(fast_qwen3, "Sunny.")
+    body = {"input": WEATHER, "tool_choice": "auto", "max_output_tokens": 8}
+    assert fast_qwen3.client.post("/v1/responses", json=body).status_code == 200
+
+
+@pytest.mark.parametrize("route", ["/v1/responses", "/v1/messages", "/v1/chat/completions"])
+def test_too_many_tools_are_a_400_and_others_are_answered(fast_qwen3: FastApp, route: str) -> None:
+    """Over MAX_TOOLS the list is refused before its tools are read (10,000 tools, 11 MB, held
+    the event loop for up to 1.2 s); /health sent while it is handled is answered."""
+    tool = RESPONSES_TOOLS[0]
+    if route == "/v1/responses":
+        tools: list[dict[str, Any]] = [{**tool, "name": f"f{i}"} for i in range(MAX_TOOLS + 1)]
+        body: dict[str, Any] = {"input": WEATHER, "tools": tools}
+    elif route == "/v1/messages":
+        tools = [
+            {"name": f"f{i}", "input_schema": tool["parameters"]} for i in range(MAX_TOOLS + 1)
+        ]
+        body = {"messages": [{"role": "user", "content": WEATHER}], "max_tokens": 8}
+        body["tools"] = tools
+    else:
+        tools = [
+            {"type": "function", "function": {"name": f"f{i}", "parameters": tool["parameters"]}}
+            for i in range(MAX_TOOLS + 1)
+        ]
+        body = {"messages": [{"role": "user", "content": WEATHER}], "tools": tools}
+    calls = len(fast_qwen3.engine.calls)
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(fast_qwen3.client.post, route, json=body)
+        healthy = 0
+        while not big.done() or not healthy:
+            assert fast_qwen3.client.get("/health").status_code == 200
+            healthy += 1
+        response = big.result()
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools", error
+    assert f"at most {MAX_TOOLS} tools" in error["message"]
+    assert len(fast_qwen3.engine.calls) == calls
+    # At the bound, the list is read (the prompt is then too long for this model: a 400 for it).
+    body["tools"] = tools[:MAX_TOOLS]
+    assert "tools" not in str(fast_qwen3.client.post(route, json=body).json()["error"]["param"])

@@ -385,6 +385,8 @@ def test_reasoning_comes_before_the_constraint(fast_qwen3: FastApp) -> None:
     [
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
         ({"tool_choice": {"type": "function", "function": {}}}, "tool_choice.function.name"),
+        # A forcing choice without tools was dropped silently (vLLM refuses it too).
+        ({"tools": None, "tool_choice": "required"}, "offers no tools"),
         (
             {"tool_choice": "required", "response_format": {"type": "json_object"}},
             "tool_choice and response_format",

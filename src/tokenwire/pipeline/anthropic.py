@@ -22,7 +22,6 @@ from tokenwire.pipeline.dialect import (
     arguments_object,
     chat_body,
     check_continued_system,
-    continued_calls,
     structured_fields,
     tool_call_ids,
     uncontinued,
@@ -66,14 +65,19 @@ def chat_request(
         check_continued_system(history, text, "system")
     elif text:
         messages.append({"role": "system", "content": text})
-    known_calls = continued_calls(history)
+    # Anthropic's pairing: the user turn after an assistant turn with tool_use blocks answers
+    # each of them with a tool_result, and answers nothing else.
+    open_calls, calls_at, replied = _open_calls(history), "the continued answer", False
     for index, message in enumerate(body.messages):
         where = f"messages.{index}"
         if message.role == "assistant":
+            _check_answered(open_calls, calls_at, replied)
             messages.append(_assistant_message(message, where))
-            known_calls.update(tool_call_ids(messages[-1]))
+            open_calls, calls_at, replied = set(tool_call_ids(messages[-1])), where, False
         else:
-            messages.extend(_user_messages(message, where, known_calls))
+            messages.extend(_user_messages(message, where, open_calls))
+            replied = True
+    _check_answered(open_calls, calls_at, replied)
     fields: dict[str, Any] = {"messages": messages, "model": body.model, "request_id": request_id}
     if body.tools:
         fields["tools"] = [
@@ -128,6 +132,29 @@ def chat_request(
     return request
 
 
+def _open_calls(history: list[dict[str, Any]] | None) -> set[str]:
+    """The tool_use ids of a continued session's last assistant turn that no tool result
+    after it answers: what the request's first user turn answers."""
+    calls: set[str] = set()
+    for message in history or ():
+        if message["role"] == "assistant":
+            calls = set(tool_call_ids(message))
+        elif message["role"] == "tool":
+            calls.discard(message.get("tool_call_id"))
+    return calls
+
+
+def _check_answered(open_calls: set[str], calls_at: str, replied: bool) -> None:
+    """A user turn followed the calls of ``calls_at`` (an assistant message): it answered them
+    all (a final assistant message's calls, a prefill, need no answer)."""
+    if replied and open_calls:
+        raise InvalidRequest(
+            f"{calls_at}: tool_use ids {sorted(open_calls)} have no tool_result in the user "
+            "message after them (each tool_use is answered in the next message)",
+            "messages",
+        )
+
+
 def _assistant_message(message: AnthropicMessage, where: str) -> dict[str, Any]:
     if isinstance(message.content, str):
         return {"role": "assistant", "content": message.content}
@@ -162,22 +189,24 @@ def _assistant_message(message: AnthropicMessage, where: str) -> dict[str, Any]:
 
 
 def _user_messages(
-    message: AnthropicMessage, where: str, known_calls: set[str]
+    message: AnthropicMessage, where: str, open_calls: set[str]
 ) -> list[dict[str, Any]]:
     """A user message's tool results become tool messages, in order, its other blocks user
-    messages between them."""
+    messages between them; each result answers (and closes) one of ``open_calls``."""
     if isinstance(message.content, str):
         return [{"role": "user", "content": message.content}]
     messages: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
     for position, block in enumerate(message.content):
         if isinstance(block, ToolResultBlock):
-            if block.tool_use_id not in known_calls:
+            if block.tool_use_id not in open_calls:
                 raise InvalidRequest(
                     f"{where}.content.{position}: tool_result for tool_use id "
-                    f"{block.tool_use_id!r}, which no earlier assistant message has",
+                    f"{block.tool_use_id!r}, which the previous assistant message does not have "
+                    "(or another tool_result answered)",
                     "messages",
                 )
+            open_calls.discard(block.tool_use_id)
             if parts:
                 messages.append({"role": "user", "content": parts})
                 parts = []

@@ -41,6 +41,11 @@ NO_CONVERSATION = (
     "in input, or continue a session (X-Session-ID) with previous_response_id"
 )
 
+NO_PROMPT = (
+    "prompt is not supported: tokenwire keeps no prompt templates; send the instructions and "
+    "input themselves"
+)
+
 
 def chat_request(
     body: ResponsesRequest,
@@ -52,6 +57,8 @@ def chat_request(
     session's messages a ``previous_response_id`` continues (``input`` holds the new ones)."""
     if body.conversation is not None:
         raise InvalidRequest(NO_CONVERSATION, "conversation")
+    if body.prompt is not None:
+        raise InvalidRequest(NO_PROMPT, "prompt")
     if body.previous_response_id is not None and history is None:
         raise uncontinued("previous_response_id")
     messages: list[dict[str, Any]] = []

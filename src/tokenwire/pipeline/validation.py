@@ -52,7 +52,8 @@ def check_prompt(
     ``checked``: how many leading ids were checked already (extend's previous ids)."""
     if not token_ids:
         raise InvalidRequest("The prompt is empty", param)
-    check_token_ids(runtime, token_ids[checked:] if checked else token_ids, param)
+    # The length first: it costs nothing, and walking the ids of a prompt far over it (a
+    # rendered tool list of millions of tokens) held the event loop for tens of milliseconds.
     limit = runtime.max_model_len
     if len(token_ids) >= limit:
         raise InvalidRequest(
@@ -60,6 +61,7 @@ def check_prompt(
             f"{limit} tokens, which leaves no room for output.",
             param,
         )
+    check_token_ids(runtime, token_ids[checked:] if checked else token_ids, param)
     room = limit - len(token_ids)
     if max_tokens is None:
         return room

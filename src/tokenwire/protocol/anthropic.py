@@ -12,11 +12,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenwire.protocol.common import (
+    BoundedTools,
     NonNegativeInt64,
     RequestModel,
     Temperature,
+    ToolSchema,
     TopK,
     TopP,
+    UniqueToolNames,
 )
 
 
@@ -76,7 +79,7 @@ class AnthropicMessage(RequestModel):
 class AnthropicTool(RequestModel):
     name: str = Field(min_length=1)
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: Annotated[dict[str, Any], ToolSchema]
 
 
 class ToolChoice(RequestModel):
@@ -96,7 +99,7 @@ class CountTokensRequest(RequestModel):
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
-    tools: list[AnthropicTool] | None = None
+    tools: Annotated[list[AnthropicTool], BoundedTools, UniqueToolNames] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
 

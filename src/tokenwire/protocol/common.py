@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 INT64_MAX = 2**63 - 1
 # Beyond these, float32 logits overflow (inf / NaN) or the value means nothing more.
@@ -49,6 +49,49 @@ def _int64_integers(value: Any) -> Any:
 
 # Client JSON an answer echoes back as given (a Responses request's tools, say).
 EchoedJson = Annotated[Any, AfterValidator(_int64_integers)]
+
+
+def _object_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A tool's input schema describes an object (its calls' arguments, Anthropic's ``input``,
+    are one): a schema of another ``type`` is refused, as Anthropic and OpenAI refuse it; one
+    without ``type`` is read as an object (vLLM's default)."""
+    kind = schema.get("type", "object")
+    if kind != "object":
+        raise ValueError(
+            f"a tool's schema must have type 'object' (its arguments are an object), not {kind!r}"
+        )
+    return schema
+
+
+def _unique_tool_names(tools: list[Any]) -> list[Any]:
+    """Tool names must be unique (Anthropic's rule): a call, a named ``tool_choice`` and the
+    grammar that forces calls find a tool by its name."""
+    seen: set[str] = set()
+    for tool in tools:
+        if tool.name in seen:
+            raise ValueError(f"tool names must be unique: {tool.name!r} is offered twice")
+        seen.add(tool.name)
+    return tools
+
+
+# The most tools one request may offer (OpenAI caps a request at 128 functions; agent harnesses
+# offer tens, MCP-heavy ones a few hundred). Every tool is validated, converted and rendered into
+# the prompt while the GIL is held: 10,000 tools (11 MB) stalled the event loop for 0.3-1.2 s
+# to end in a 400 for the prompt's length. Checked before the items are validated.
+MAX_TOOLS = 1024
+
+
+def _at_most_max_tools(tools: Any) -> Any:
+    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
+        raise ValueError(f"at most {MAX_TOOLS} tools may be offered, not {len(tools)}")
+    return tools
+
+
+# A request's tool list, bounded before its tools are read.
+BoundedTools = BeforeValidator(_at_most_max_tools)
+# A tool's parameters / input schema, and a dialect's tool list (each tool has a ``name``).
+ToolSchema = AfterValidator(_object_schema)
+UniqueToolNames = AfterValidator(_unique_tool_names)
 # vLLM's: prefix-cache blocks are shared only by requests with the same salt; empty is a 400.
 CacheSalt = Annotated[str, Field(min_length=1)]
 

@@ -10,6 +10,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 from tokenwire.protocol.chat import Tool
 from tokenwire.protocol.common import (
     INT64_MAX,
+    BoundedTools,
     CacheSalt,
     Int64,
     MinP,
@@ -205,7 +206,7 @@ class ParseContext(RequestModel):
     """What decides how ``output_mode: "derender"`` parses a choice: the tools offered and the
     tool choice, as the chat request that rendered the prompt had them."""
 
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], BoundedTools] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
 
 

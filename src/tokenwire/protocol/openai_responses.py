@@ -12,11 +12,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from tokenwire.protocol.common import (
+    BoundedTools,
     EchoedJson,
     NonNegativeInt64,
     RequestModel,
     Temperature,
+    ToolSchema,
     TopP,
+    UniqueToolNames,
 )
 
 
@@ -83,7 +86,8 @@ class FunctionTool(RequestModel):
     type: Literal["function"]
     name: str = Field(min_length=1)
     description: str | None = None
-    parameters: dict[str, EchoedJson] | None = None  # echoed in the answer's ``tools``
+    # Echoed in the answer's ``tools``.
+    parameters: Annotated[dict[str, EchoedJson], ToolSchema] | None = None
     strict: bool | None = None
 
 
@@ -92,11 +96,34 @@ class ToolChoiceFunction(RequestModel):
     name: str = Field(min_length=1)
 
 
+# Values the API has for fields accepted without effect (the ``openai`` SDK 3.63's lists; vLLM
+# types these fields with the SDK's models, so another value is a 400 there too).
+ResponseIncludable = Literal[
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+]
+ReasoningSummary = Literal["auto", "concise", "detailed"]
+
+
+class ReasoningConfig(RequestModel):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: ReasoningSummary | None = None
+    generate_summary: ReasoningSummary | None = None
+    context: Literal["auto", "current_turn", "all_turns"] | None = None
+    mode: str | None = None
+
+
 class ResponsesRequest(RequestModel):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: Annotated[list[FunctionTool], BoundedTools, UniqueToolNames] | None = None
     tool_choice: Literal["auto", "none", "required"] | ToolChoiceFunction | None = None
     max_output_tokens: NonNegativeInt64 | None = Field(default=None, ge=1)
     temperature: Temperature | None = None
@@ -113,6 +140,13 @@ class ResponsesRequest(RequestModel):
         dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None
     ) = Field(default=None, max_length=16)
     text: TextConfig | None = None
+    # Accepted without effect, with the API's values only.
+    reasoning: ReasoningConfig | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    include: list[ResponseIncludable] | None = None
+    # A prompt template stored at OpenAI: tokenwire has none, so it is a 400 (vLLM's), never a
+    # prompt silently built without it.
+    prompt: dict[str, Any] | None = None
 
 
 class TextConfig(RequestModel):

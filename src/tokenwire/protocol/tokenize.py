@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from pydantic import Discriminator, Field, Tag, model_validator
 
 from tokenwire.protocol.chat import ChatMessage, Tool
-from tokenwire.protocol.common import Int64, RequestModel
+from tokenwire.protocol.common import BoundedTools, Int64, RequestModel
 
 BOTH_GENERATION_FLAGS = (
     "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
@@ -29,7 +29,7 @@ class ChatTemplateOptions(RequestModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], BoundedTools] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")

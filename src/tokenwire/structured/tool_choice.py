@@ -39,9 +39,16 @@ def tool_forcing(
     parallel_tool_calls: bool | None,
 ) -> ToolForcing | None:
     """The forcing a request's tool fields make (None: the model chooses freely). A named tool
-    that is not offered is a ``ValueError`` (a 400)."""
-    if not tools or tool_choice == "none":
+    that is not offered, or a forcing choice without ``tools``, is a ``ValueError`` (a 400):
+    the promise could not be kept, and dropping it silently would answer text (vLLM refuses
+    both; an empty ``tools`` list with ``required`` forces nothing, as OpenAI and vLLM read it)."""
+    if tool_choice == "none":
         return None
+    if tools is None and (tool_choice == "required" or isinstance(tool_choice, dict)):
+        raise ValueError("tool_choice forces a tool call, but the request offers no tools")
+    if not tools and not isinstance(tool_choice, dict):
+        return None
+    tools = tools or ()
     names = tuple(tool.function.name for tool in tools)
     at_most_one = parallel_tool_calls is False
     if isinstance(tool_choice, dict):
