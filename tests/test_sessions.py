@@ -3,13 +3,18 @@ by the real ``anthropic`` and ``openai`` SDKs with an ``X-Session-ID`` header, s
 not: 16 scripted episodes of 4 turns each, all at once. Every turn's recorded prompt starts with
 the previous turn's prompt + sampled ids, the loss mask covers exactly the sampled ids, and the
 trajectory's logprobs equal a transformers forward of each segment's ids. A compacted history
-gives a second exact segment with its reason; a SIGTERM mid-episode loses no recorded turn.
+gives a second exact segment with its reason; a SIGTERM mid-episode loses no recorded turn, and
+neither does a SIGKILL under load.
 The harnesses' stateful forms, run by their own code: the anthropic SDK's tool runner with its
 default threads, and the openai SDK's Responses chained by ``previous_response_id``."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sys
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +30,10 @@ import torch
 from tests.chat_fixtures import TOOLS
 from tests.conftest import API_KEY, QWEN3_SERVER_ARGS, Server, engine_flags
 from tests.test_fast_sessions import assert_exact
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from serverbench import ServerProcess, free_port, tree_env  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -331,3 +340,63 @@ def test_responses_chained_by_previous_response_id(server: Server, model: Any) -
     assert len(result["turns"]) == TURNS and len(result["segments"]) == 1
     assert_exact(result)
     assert_logprobs_match_forward(model, result)
+
+
+def fake_server(store: Path, log: Path) -> ServerProcess:
+    """The real app over the fake engine (``tests/fake_server.py``), recording into ``store``."""
+    port = free_port()
+    flags = ["--served-model-name", "qwen3-tiny", "--api-key", API_KEY, "--session-store"]
+    command = [sys.executable, str(ROOT / "tests/fake_server.py"), str(port), *flags, str(store)]
+    return ServerProcess(command, port, log=log, env=tree_env(ROOT))
+
+
+def test_sigkill_under_load_loses_no_acknowledged_turn(tmp_path: Path) -> None:
+    """Eight sessions take turns as fast as the server answers; the server is killed (-9)
+    mid-load and started again on the same store: every turn a client saw answered is there,
+    each session still exact (a turn killed before its answer may be recorded or not)."""
+    store = tmp_path / "sessions.sqlite3"
+    first = fake_server(store, tmp_path / "first.log")
+    acknowledged: dict[str, int] = {}
+    enough = threading.Event()
+
+    def load(index: int) -> None:
+        session = f"loaded-{index}"
+        headers = {"X-Session-ID": session, "Authorization": f"Bearer {API_KEY}"}
+        messages: list[dict[str, Any]] = []
+        with httpx.Client(base_url=first.url, headers=headers, timeout=30) as client:
+            while True:
+                messages.append({"role": "user", "content": f"Question {len(messages)}?"})
+                body = {"model": "qwen3-tiny", "messages": messages, "max_tokens": 4}
+                try:
+                    reply = client.post("/v1/chat/completions", json=body)
+                except httpx.TransportError:
+                    return  # killed
+                assert reply.status_code == 200, reply.text
+                acknowledged[session] = int(reply.headers["X-Session-Turn"]) + 1
+                messages.append(reply.json()["choices"][0]["message"])
+                if sum(acknowledged.values()) >= 120:
+                    enough.set()
+
+    workers = [threading.Thread(target=load, args=(index,)) for index in range(8)]
+    for worker in workers:
+        worker.start()
+    try:
+        assert enough.wait(120), acknowledged
+        os.kill(first.process.pid, signal.SIGKILL)
+    finally:
+        for worker in workers:
+            worker.join(60)
+        first.process.kill()
+        first.process.wait()
+    second = fake_server(store, tmp_path / "second.log")
+    try:
+        with httpx.Client(
+            base_url=second.url, headers={"Authorization": f"Bearer {API_KEY}"}
+        ) as http:
+            for session, turns in acknowledged.items():
+                result = http.get(f"/v1/sessions/{session}").json()
+                assert len(result["turns"]) in (turns, turns + 1), session
+                assert_exact(result)
+    finally:
+        second.stop()
+    print(f"killed under load: {sum(acknowledged.values())} acknowledged turns, 0 lost")
