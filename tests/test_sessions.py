@@ -400,3 +400,31 @@ def test_sigkill_under_load_loses_no_acknowledged_turn(tmp_path: Path) -> None:
     finally:
         second.stop()
     print(f"killed under load: {sum(acknowledged.values())} acknowledged turns, 0 lost")
+
+
+def test_eight_parallel_turns_of_one_session_three_times(tmp_path: Path) -> None:
+    """Eight turns of one session sent at once, three rounds, over HTTP: no 5xx, each answered
+    turn readable (racing turns stand in segments of their own), the session exact."""
+    server = fake_server(tmp_path / "sessions.sqlite3", tmp_path / "server.log")
+    headers = {"X-Session-ID": "parallel", "Authorization": f"Bearer {API_KEY}"}
+    answered = 0
+    try:
+        with httpx.Client(base_url=server.url, headers=headers, timeout=60) as client:
+            messages = [{"role": "user", "content": "Hi?"}]
+            for _ in range(3):
+                body = {"model": "qwen3-tiny", "messages": messages, "max_tokens": 4}
+                with ThreadPoolExecutor(8) as pool:
+                    sent = [
+                        pool.submit(client.post, "/v1/chat/completions", json=body)
+                        for _ in range(8)
+                    ]
+                    replies = [reply.result() for reply in sent]
+                assert [reply.status_code for reply in replies] == [200] * 8
+                answered += 8
+                messages += [replies[0].json()["choices"][0]["message"]]
+                messages += [{"role": "user", "content": "And then?"}]
+            result = client.get("/v1/sessions/parallel").json()
+    finally:
+        server.stop()
+    assert len(result["turns"]) == answered
+    assert_exact(result)
