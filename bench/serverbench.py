@@ -78,7 +78,7 @@ def serve_fake_engine(
 ) -> None:
     """Serve the real app (``tokenwire serve``'s, on its uvicorn protocol) over the project's fake
     engine, built by ``make_engine`` for a weightless view of ``model`` (default: the default
-    model's); until killed."""
+    model's); until killed. Sessions go to a temporary store unless ``flags`` name one."""
     import uvicorn
 
     from tests.fast_app import weightless_view
@@ -90,7 +90,8 @@ def serve_fake_engine(
     with tempfile.TemporaryDirectory() as tmp:
         view = weightless_view(prepare(model or DEFAULT_MODEL), Path(tmp))
         argv = ["--model", str(view), "--port", str(port), "--log-level", "warning", *flags]
-        argv += ["--session-store", str(Path(tmp) / "sessions.sqlite3")]
+        if "--session-store" not in flags:
+            argv += ["--session-store", str(Path(tmp) / "sessions.sqlite3")]
         settings = parse_serve_args(argv)
         app = create_app(settings, make_engine(view))
         uvicorn.Server(uvicorn_config(app, settings)).run()

@@ -528,6 +528,7 @@ def test_stateful_forms_continue_a_session(app: FastApp) -> None:
     """Anthropic's thread and Responses' previous_response_id send only the new messages: the
     session's last answer is continued by extend, in the same segment, exactly."""
     headers = {"X-Session-ID": "threaded"}
+    gone = {"X-Session-ID": "never-recorded"}
     base = {"max_tokens": 64, "tools": ANTHROPIC_TOOLS, "system": "Be brief."}
     first = app.client.post(
         "/v1/messages",
@@ -537,14 +538,40 @@ def test_stateful_forms_continue_a_session(app: FastApp) -> None:
     call = next(block for block in first["content"] if block["type"] == "tool_use")
     result = {"type": "tool_result", "tool_use_id": call["id"], "content": "sunny"}
     thread = {"type": "continue", "previous_message_id": first["id"]}
-    body = {**base, "messages": [{"role": "user", "content": [result]}], "thread": thread}
+    # As the anthropic SDK continues a thread: without system and tools (the thread keeps them).
+    body = {"max_tokens": 64, "messages": [{"role": "user", "content": [result]}], "thread": thread}
     second = app.client.post("/v1/messages", json=body, headers=headers)
     assert second.status_code == 200, second.text
     assert second.headers["X-Session-Turn"] == "1"
-    for refused, param in [
-        (app.client.post("/v1/messages", json=body, headers=headers), "thread"),  # not the last
-        (app.client.post("/v1/messages", json=body), "thread"),  # no session
-        (app.client.post("/v1/messages/render", json=body, headers=headers), "thread"),
+    # Each refusal names its field and carries the code the SDK acts on (it replays).
+    unknown = {**thread, "previous_message_id": "msg_unknown"}
+    for refused, param, code in [
+        (
+            app.client.post("/v1/messages", json=body, headers=headers),
+            "thread",
+            "thread_already_continued",
+        ),
+        (
+            app.client.post("/v1/messages", json={**body, "thread": unknown}, headers=gone),
+            "thread",
+            "thread_not_found",
+        ),
+        (app.client.post("/v1/messages", json=body), "thread", "thread_unsupported_request"),
+        (
+            app.client.post("/v1/messages", json={**body, "thread": {"type": "create"}}),
+            "thread",
+            "thread_unsupported_request",
+        ),
+        (app.client.post("/v1/messages/render", json=body, headers=headers), "thread", None),
+        (
+            app.client.post(
+                "/v1/messages",
+                json={**body, "thread": {**thread, "type": "create"}},
+                headers=headers,
+            ),
+            "thread",
+            None,
+        ),
         (
             app.client.post(
                 "/v1/messages",
@@ -556,12 +583,26 @@ def test_stateful_forms_continue_a_session(app: FastApp) -> None:
                 headers=headers,
             ),
             "system",
+            None,
         ),
     ]:
-        assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and error["param"] == param, error
+        assert error.get("details", {}).get("error_code") == code, error
     result = trajectory(app, "threaded")
     assert len(result["turns"]) == 2 and [s["reason"] for s in result["segments"]] == [None]
     assert_exact(result)
+    # A create is a session's turn like any other: the whole history, continuing the session.
+    history = [
+        {"role": "user", "content": "Paris?"},
+        {"role": "assistant", "content": first["content"]},
+        body["messages"][0],
+        {"role": "assistant", "content": second.json()["content"]},
+        {"role": "user", "content": "Thanks."},
+    ]
+    created = {**base, "messages": history, "thread": {"type": "create"}}
+    third = app.client.post("/v1/messages", json=created, headers=headers)
+    assert third.status_code == 200 and third.headers["X-Session-Turn"] == "2", third.text
 
     headers = {"X-Session-ID": "chained"}
     tools = [{"type": "function", **t["function"]} for t in _chat_tools(ANTHROPIC_TOOLS)]

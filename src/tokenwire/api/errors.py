@@ -81,13 +81,21 @@ def expected_error(exc: BaseException) -> tuple[int, str, str | None] | None:
     return None
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, object]:
+def error_body(
+    status: int, message: str, param: str | None = None, details: dict[str, object] | None = None
+) -> dict[str, object]:
     error_type = ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
-    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+    error: dict[str, object] = {"message": message, "type": error_type, "param": param}
+    error["code"] = status
+    if details is not None:
+        error["details"] = details
+    return {"error": error}
 
 
-def error_response(status: int, message: str, param: str | None = None) -> Response:
-    return OrjsonResponse(error_body(status, message, param), status_code=status)
+def error_response(
+    status: int, message: str, param: str | None = None, details: dict[str, object] | None = None
+) -> Response:
+    return OrjsonResponse(error_body(status, message, param, details), status_code=status)
 
 
 _UNION_TAGS = frozenset(
@@ -139,7 +147,8 @@ def exception_response(request: Request, exc: Exception) -> Response | None:
     expected = expected_error(exc)
     if expected is None:
         return None
-    return error_response(*expected)
+    details = exc.details if isinstance(exc, PipelineError) else None
+    return error_response(*expected, details)
 
 
 def install_error_handlers(app: FastAPI) -> None:

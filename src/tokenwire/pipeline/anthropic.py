@@ -28,7 +28,9 @@ from tokenwire.pipeline.dialect import (
 )
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.openai import CompletionRun
+from tokenwire.pipeline.prompt_memory import recorded_tools
 from tokenwire.pipeline.render import render_chat_request
+from tokenwire.pipeline.session_store import Head
 from tokenwire.protocol.anthropic import (
     AnthropicMessage,
     CountTokensRequest,
@@ -52,12 +54,14 @@ def chat_request(
     body: CountTokensRequest,
     *,
     request_id: str | None = None,
-    history: list[dict[str, Any]] | None = None,
+    continued: Head | None = None,
 ) -> ChatCompletionRequest:
-    """The chat request with the same prompt and sampling as ``body``; ``history``: the
-    session's messages a ``thread`` continues (``body.messages`` are the new ones)."""
-    if isinstance(body, MessagesRequest) and body.thread is not None and history is None:
+    """The chat request with the same prompt and sampling as ``body``; ``continued``: the
+    session head a ``thread`` continues (``body.messages`` are the new ones; its system prompt
+    and tools, where the request leaves them out, as a thread keeps them)."""
+    if isinstance(body, MessagesRequest) and body.thread is not None and continued is None:
         raise uncontinued("thread")
+    history = continued.messages if continued is not None else None
     messages: list[dict[str, Any]] = []
     system = body.system
     text = "\n".join(b.text for b in system) if isinstance(system, list) else system
@@ -79,7 +83,9 @@ def chat_request(
             replied = True
     _check_answered(open_calls, calls_at, replied)
     fields: dict[str, Any] = {"messages": messages, "model": body.model, "request_id": request_id}
-    if body.tools:
+    if continued is not None and body.tools is None:
+        fields["tools"] = recorded_tools(continued.context)
+    elif body.tools:
         fields["tools"] = [
             {
                 "type": "function",

@@ -55,9 +55,9 @@ def continued_calls(history: list[dict[str, Any]] | None) -> set[str]:
 
 def check_continued_system(history: list[dict[str, Any]], system: str | None, param: str) -> None:
     """A request continuing a session's ``history`` sends its system prompt again (harnesses
-    do) or none: a different one cannot extend the recorded ids."""
+    do) or none (Anthropic's threads keep it): a different one cannot extend the recorded ids."""
     recorded = history[0]["content"] if history and history[0]["role"] == "system" else None
-    if (system or None) != recorded:
+    if system is not None and (system or None) != recorded:
         raise InvalidRequest(
             f"{param} differs from the continued session's system prompt, which its recorded "
             "ids hold: send the whole history to change it",

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 
 class PipelineError(Exception):
-    """A request the pipeline will not serve; ``param`` names the offending field."""
+    """A request the pipeline will not serve; ``param`` names the offending field, ``details``
+    what a client's code acts on (the error body's ``error.details``)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, message: str, param: str | None = None, details: dict[str, object] | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.details = details
 
 
 class InvalidRequest(PipelineError):

@@ -17,6 +17,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
@@ -62,6 +63,11 @@ def template_options(body: ChatCompletionRequest) -> bytes:
         "add_special_tokens": body.add_special_tokens,
     }
     return orjson.dumps(options, option=orjson.OPT_SORT_KEYS)
+
+
+def recorded_tools(options: str | bytes) -> list[dict[str, Any]]:
+    """The tools of ``template_options`` (chat form), for a turn that continues under them."""
+    return orjson.loads(options)["tools"]
 
 
 class PromptMemory:

@@ -189,25 +189,38 @@ async def session_prompt(
     return prompt, turn
 
 
+# Where no session holds a conversation (no X-Session-ID): the anthropic SDK's thread helpers
+# then send the whole history without ``thread``.
+NO_THREADS: dict[str, object] = {
+    "error_code": "thread_unsupported_request",
+    "unsupported": ["thread without an X-Session-ID header"],
+}
+
+
 async def continued_head(
     store: SessionStore, key: SessionKey | None, param: str, reply_id: str
 ) -> Head:
     """The head a stateful form (``param``: Anthropic's ``thread``, Responses'
     ``previous_response_id``) continues: the session's, whose last answer must be
-    ``reply_id``. Only a session's last answer is kept, so only it can be continued."""
+    ``reply_id``. Only a session's last answer is kept, so only it can be continued. Each
+    refusal carries the error code of Anthropic's threads, on which its SDK sends the whole
+    history instead."""
     if key is None:
         raise InvalidRequest(
             f"{param} continues a recorded session: send its X-Session-ID header (tokenwire "
             "keeps answers in sessions only), or the whole history",
             param,
+            NO_THREADS,
         )
     head = await store.head(key.id, key.owner)
     if head is None or head.reply_id != reply_id:
         last = f"its last answer is {head.reply_id!r}" if head else "it has no turn yet"
+        code = "thread_not_found" if head is None else "thread_already_continued"
         raise InvalidRequest(
             f"{param}: {reply_id!r} is not the last answer of session {key.id!r} ({last}); "
             "only a session's last answer can be continued: send the whole history",
             param,
+            {"error_code": code},
         )
     return head
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tokenwire.protocol.common import (
     BoundedTools,
@@ -105,8 +105,17 @@ class CountTokensRequest(RequestModel):
 
 
 class Thread(RequestModel):
-    type: Literal["continue"]
-    previous_message_id: str = Field(min_length=1)
+    """``create``: hold this conversation (the session does); ``continue``: go on from
+    ``previous_message_id`` with only the new messages."""
+
+    type: Literal["create", "continue"]
+    previous_message_id: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _continue_names_a_message(self) -> Thread:
+        if (self.type == "continue") != (self.previous_message_id is not None):
+            raise ValueError("previous_message_id is sent with type continue, and only then")
+        return self
 
 
 class MessagesRequest(CountTokensRequest):
@@ -121,7 +130,8 @@ class MessagesRequest(CountTokensRequest):
     output_format: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
     # Continue from an earlier answer, sending only the new messages: honoured on a session's
-    # last answer (``pipeline.sessions.continued_head``), else a 400 that names it.
+    # last answer (``pipeline.sessions.continued_head``), else a 400 that names it, with the
+    # error code the anthropic SDK acts on (it replays the whole history).
     thread: Thread | None = None
 
 

@@ -13,8 +13,9 @@ from tokenwire.api.responses import OrjsonResponse
 from tokenwire.api.sse import sse_response
 from tokenwire.api.state import pipeline_of, session_header
 from tokenwire.pipeline import anthropic
+from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.openai import start_chat_completion
-from tokenwire.pipeline.sessions import continued_head
+from tokenwire.pipeline.sessions import NO_THREADS, continued_head
 from tokenwire.protocol.anthropic import (
     AnthropicMessageResponse,
     AnthropicStreamEvent,
@@ -36,11 +37,20 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
     pipeline = pipeline_of(request)
     session = session_header(request)
     continued = None
-    if body.thread is not None:
-        reply_id = body.thread.previous_message_id
+    thread = body.thread
+    if thread is not None and thread.previous_message_id is not None:
+        reply_id = thread.previous_message_id
         continued = await continued_head(pipeline.session_store(), session, "thread", reply_id)
-    history = continued.messages if continued is not None else None
-    chat = anthropic.chat_request(body, request_id=anthropic.new_message_id(), history=history)
+    elif thread is not None:  # create: what a session's turn does anyway
+        if session is None:
+            raise InvalidRequest(
+                "thread: tokenwire holds a conversation in a session: send an X-Session-ID "
+                "header, or no thread",
+                "thread",
+                NO_THREADS,
+            )
+        body = body.model_copy(update={"thread": None})
+    chat = anthropic.chat_request(body, request_id=anthropic.new_message_id(), continued=continued)
     await admitted(request, pipeline)
     run = await start_chat_completion(
         pipeline, chat, session=session, dialect="anthropic", continued=continued
