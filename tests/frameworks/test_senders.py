@@ -280,3 +280,32 @@ def test_areal_lora_two_step(
     again = ok(lora_greedy(server, "default_lora-v1", prompt_ids))["choices"][0]
     assert again["token_ids"] == choice["token_ids"]
     assert [e["logprob"] for e in again["logprobs"]["content"]] == got
+
+
+def test_trl_vllm_client(
+    frameworks_server: Server,
+    server: httpx.Client,
+    base_dir: Path,
+    prompt_ids: list[int],
+    tmp_path: Path,
+) -> None:
+    """TRL 1.16's ``VLLMClient`` unmodified (``tests.frameworks.trl_trainer``: gloo stand-ins
+    for the two vLLM NCCL calls it makes): ``/server_info``, ``/get_world_size``,
+    ``/init_weight_transfer_engine`` with ``packed``, then ``update_model_params``: start,
+    one ``/update_weights`` of every parameter in vLLM's packed chunks, finish. TRL pauses
+    nothing itself: ``start_weight_update`` freezes the request in flight (keep), and finish
+    resumes it under the new weights."""
+    pytest.importorskip("trl", reason="trl: make install-frameworks")
+    trained = tmp_path / "trained"
+    args = (str(base_dir), str(trained), frameworks_server.url)
+    with TrainerProcess("tests.frameworks.trl_trainer", *args) as trainer:
+        held = Stream(frameworks_server, prompt_ids, max_tokens=HELD_TOKENS, ignore_eos=True)
+        held.wait_for_tokens(2)
+        trainer.go()
+        trainer.sent()
+    # Frozen, not aborted: it finished whole. Its tokens all name "base": TRL's finish names
+    # no version, and vLLM's finish then keeps the one served.
+    final = held.final()
+    assert final["finish_reason"] == "length" and len(held.tokens()) == HELD_TOKENS
+    assert ok(server.get("/weight_info"))["weight_version"] == "base"
+    assert_parity(greedy(server, prompt_ids), trained, prompt_ids)
