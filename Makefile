@@ -139,7 +139,17 @@ $(AGENTS_STAMP): $(FRAMEWORKS_STAMP) Makefile
 	$(FPY) -m pip install --quiet $(AGENT_WHEELS)
 	touch $(AGENTS_STAMP)
 
-install-frameworks: $(FRAMEWORKS_STAMP) $(AGENTS_STAMP)
+# TRL's client (tests/frameworks/trl_trainer.py), --no-deps like the frameworks' wheels: its
+# VLLMClient needs requests only (its vLLM calls are the test's gloo stand-ins). Its own stamp,
+# for venvs built before it.
+TRL_WHEEL := trl==1.16.0
+TRL_STAMP := $(FRAMEWORKS_VENV)/.installed-trl
+
+$(TRL_STAMP): $(FRAMEWORKS_STAMP) Makefile
+	$(FPY) -m pip install --quiet --no-deps $(TRL_WHEEL)
+	touch $(TRL_STAMP)
+
+install-frameworks: $(FRAMEWORKS_STAMP) $(AGENTS_STAMP) $(TRL_STAMP)
 
 test-frameworks: install-frameworks
 	$(FPY) -m pytest --durations=10 tests/frameworks

@@ -399,7 +399,8 @@ class FakeEngine:
         self, config: Mapping[str, Any], tensors: Sequence[TensorMeta]
     ) -> None:
         for meta in tensors:
-            if not meta.name.endswith((".lora_A.weight", ".lora_B.weight")):
+            name = meta.name.replace(".default.", ".")  # PEFT's adapter name, as in its files
+            if not name.endswith((".lora_A.weight", ".lora_B.weight")):
                 raise WeightsError(f"{meta.name} is not a LoRA factor")
 
     async def receive_tensors(self, update: WeightUpdate) -> dict[str, Any]:

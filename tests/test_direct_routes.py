@@ -70,6 +70,21 @@ GROUP = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, 
 SAFETENSORS = base64.b64encode(save({"a": np.ones(1, np.float32)})).decode()
 
 # Valid bodies of every direct route (None: no body), sent in this order.
+# AReaL's UpdateWeightsFromXcclRequestLora, as its RemotevLLMEngine sends both LoRA steps.
+AREAL_LORA_META = {
+    "names": ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"],
+    "dtypes": ["float32"],
+    "shapes": [[8, 64]],
+    "group_name": "g",
+    "lora_name": "default_lora-v1",
+    "lora_int_id": 1,
+    "lora_target_modules": ["q_proj", "v_proj"],
+    "lora_rank": 8,
+    "lora_alpha": 16,
+    "lora_bias": "none",
+    "base_model_name": "/models/base",
+}
+
 VALID: dict[Route, list[Any]] = {
     ("GET", "/health"): [None],
     ("GET", "/version"): [None],
@@ -183,6 +198,8 @@ VALID: dict[Route, list[Any]] = {
         {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g"}
     ],
     ("POST", "/areal_update_weights_xccl"): [{}],
+    ("POST", "/areal_set_update_weight_meta_lora"): [AREAL_LORA_META],
+    ("POST", "/areal_update_weights_lora_xccl"): [AREAL_LORA_META],
 }
 
 # Bodies each route's schema refuses (hypothesis finds more from the valid ones).
@@ -255,6 +272,14 @@ SCHEMA_FAILURES: dict[Route, list[Any]] = {
     ("POST", "/areal_set_update_weight_meta"): [
         {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]]},
         {"names": ["a"], "dtypes": ["float32"], "shapes": [[-1]], "group_name": "g"},
+    ],
+    ("POST", "/areal_set_update_weight_meta_lora"): [
+        {k: v for k, v in AREAL_LORA_META.items() if k != "lora_int_id"},
+        {**AREAL_LORA_META, "lora_rank": 0},
+    ],
+    ("POST", "/areal_update_weights_lora_xccl"): [
+        {**AREAL_LORA_META, "lora_target_modules": 3},
+        {**AREAL_LORA_META, "lora_alpha": "16"},
     ],
 }
 

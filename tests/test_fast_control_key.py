@@ -49,6 +49,8 @@ MUST_BE_CONTROL = {
     ("POST", "/areal_init_weights_update_group"),
     ("POST", "/areal_set_update_weight_meta"),
     ("POST", "/areal_update_weights_xccl"),
+    ("POST", "/areal_set_update_weight_meta_lora"),
+    ("POST", "/areal_update_weights_lora_xccl"),
 }
 
 

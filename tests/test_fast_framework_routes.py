@@ -328,6 +328,109 @@ def test_areal_two_step_refusals(fast_control: FastApp) -> None:
     assert ok(client.get("/weight_info"))["state"] == "whole"
 
 
+# AReaL's factor names: FSDPEngine's named_parameters of the PEFT model (trainable ones only).
+AREAL_FACTORS = {
+    "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight": [4, 8],
+    "base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight": [8, 4],
+}
+
+
+def areal_lora_meta(
+    lora_int_id: int, lora_name: str = "default_lora-v1", group_name: str = "areal-group"
+) -> dict[str, Any]:
+    """vllm_remote.py, build_distributed_weight_update_requests with ``use_lora``: the payload
+    of both requests (``get_versioned_lora_name``, FSDPEngine's ``peft_config``)."""
+    return {
+        "names": list(AREAL_FACTORS),
+        "dtypes": ["float32"] * len(AREAL_FACTORS),
+        "shapes": list(AREAL_FACTORS.values()),
+        "group_name": group_name,
+        "lora_name": lora_name,
+        "lora_int_id": lora_int_id,
+        "lora_target_modules": ["q_proj"],
+        "lora_rank": 4,
+        "lora_alpha": 16,
+        "lora_bias": "none",
+        "base_model_name": "/models/base",
+    }
+
+
+def load_from_memory(app: FastApp, name: str) -> None:
+    """An adapter loaded from a trainer's memory (SGLang's form), factors of ``AREAL_FACTORS``'
+    module."""
+    import base64
+
+    import safetensors.torch
+    import torch
+
+    factors = {k.replace("default.", ""): torch.zeros(v) for k, v in AREAL_FACTORS.items()}
+    body = {
+        "serialized_named_tensors": [base64.b64encode(safetensors.torch.save(factors)).decode()],
+        "load_format": "safetensors",
+        "lora_name": name,
+        "lora_config": {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj"]},
+    }
+    ok(app.client.post("/update_weights_from_tensor", json=body))
+
+
+def test_areal_lora_two_step(fast_control: FastApp) -> None:
+    """vllm_remote.py with ``use_lora``: ``/areal_set_update_weight_meta_lora`` then
+    ``/areal_update_weights_lora_xccl`` (the same payload), after AReaL's pause. The adapter
+    with vLLM's ``lora_int_id`` gets the factors (PEFT's ``default.`` dropped from their
+    names, as AReaL's worker does) and is served under the new versioned name only. An id no
+    adapter has is a 400 in vLLM's words that closes the group (the broadcast comes anyway);
+    so is a name that is another adapter's; each announcement is received once."""
+    app = fast_control
+    client = app.client
+    success = {"success": True, "message": "TP rank: 0 success\n"}
+    load_from_memory(app, "default_lora-v0")
+    load_from_memory(app, "other")
+    ok(client.post("/areal_init_weights_update_group", json=AREAL_GROUP))
+    unknown = client.post("/areal_set_update_weight_meta_lora", json=areal_lora_meta(10**9))
+    error = assert_error(unknown, 400, f"LoRA adapter {10**9} not found. Available: [")
+    assert error["param"] == "lora_int_id" and app.engine.group is None
+    # The ids the registry gave, in load order (the session's app numbered earlier loads).
+    v0, other = (int(i) for i in error["message"].split("[")[1].split("]")[0].split(", "))
+    ok(client.post("/areal_init_weights_update_group", json=AREAL_GROUP))
+    clash = areal_lora_meta(v0, lora_name="other")
+    error = assert_error(client.post("/areal_set_update_weight_meta_lora", json=clash), 400)
+    assert f"lora_int_id {other}" in error["message"] and app.engine.group is None
+
+    ok(client.post("/areal_init_weights_update_group", json=AREAL_GROUP))
+    ok(client.post("/areal_pause_generation", json={}))
+    meta = areal_lora_meta(v0)
+    assert ok(client.post("/areal_set_update_weight_meta_lora", json=meta)) == success
+    assert ok(client.post("/areal_update_weights_lora_xccl", json=meta)) == success
+    models = {m["id"] for m in ok(client.get("/v1/models"))["data"]}
+    assert {"default_lora-v1", "other"} <= models and "default_lora-v0" not in models
+    sources = list(app.engine.adapter_sources.values())
+    assert set(sources[-1].tensors) == {k.replace("default.", "") for k in AREAL_FACTORS}
+    assert app.engine.received == []  # no base weight written
+    assert_error(client.post("/areal_update_weights_lora_xccl", json=meta), 400, "announced")
+    # The next version: the same id, in place under its next name.
+    meta = areal_lora_meta(v0, lora_name="default_lora-v2")
+    ok(client.post("/areal_set_update_weight_meta_lora", json=meta))
+    ok(client.post("/areal_update_weights_lora_xccl", json=meta))
+    models = {m["id"] for m in ok(client.get("/v1/models"))["data"]}
+    assert "default_lora-v2" in models and "default_lora-v1" not in models
+    ok(client.post("/areal_continue_generation", json={}))
+
+
+def test_areal_lora_misfit_is_refused(fast_control: FastApp) -> None:
+    """A factor that is no LoRA factor is refused at the meta call (the group closed)."""
+    app = fast_control
+    client = app.client
+    load_from_memory(app, "default_lora-v0")
+    ok(client.post("/areal_init_weights_update_group", json=AREAL_GROUP))
+    unknown = client.post("/areal_set_update_weight_meta_lora", json=areal_lora_meta(10**9))
+    v0 = int(assert_error(unknown, 400)["message"].split("[")[1].split("]")[0])
+    ok(client.post("/areal_init_weights_update_group", json=AREAL_GROUP))
+    misfit = {**areal_lora_meta(v0), "names": ["model.layers.0.self_attn.q_proj.weight"] * 2}
+    error = assert_error(client.post("/areal_set_update_weight_meta_lora", json=misfit), 400)
+    assert "is not a LoRA factor" in error["message"] and "the group is closed" in error["message"]
+    assert app.engine.group is None
+
+
 def test_areal_announcement_ends_with_its_group(fast_control: FastApp) -> None:
     """Tensors announced over a group that closed are never received over the next one."""
     app = fast_control

@@ -88,14 +88,19 @@ def generate(client: httpx.Client, ids: list[int], **sampling: Any) -> httpx.Res
 class Stream:
     """A streaming generate read on a thread: chunks as they come, then the final choice."""
 
-    def __init__(self, server: Server, ids: list[int], **sampling: Any) -> None:
+    def __init__(
+        self, server: Server, ids: list[int], *, model: str | None = None, **sampling: Any
+    ) -> None:
+        """``model``: a LoRA adapter's name (None: the base model)."""
         self.chunks: list[dict] = []
         self.done = threading.Event()
-        body = {
+        body: dict[str, Any] = {
             "token_ids": ids,
             "stream": True,
             "sampling_params": {"temperature": 0, "logprobs": 0, **sampling},
         }
+        if model is not None:
+            body["model"] = model
         self.thread = threading.Thread(target=self._run, args=(server, body), daemon=True)
         self.thread.start()
 

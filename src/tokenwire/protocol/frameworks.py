@@ -115,3 +115,30 @@ class ArealWeightMetaBody(RequestModel):
     dtypes: list[str]
     shapes: list[list[Dim]]
     group_name: str = Field(min_length=1, max_length=256)
+
+
+class ArealLoraWeightMetaBody(ArealWeightMetaBody):
+    """AReaL's ``/areal_set_update_weight_meta_lora`` and ``/areal_update_weights_lora_xccl``
+    (both carry it, its ``UpdateWeightsFromXcclRequestLora``): a LoRA adapter's factors, in
+    broadcast order, for the adapter vLLM numbers ``lora_int_id``, served as ``lora_name`` (a
+    new name each version, ``<name>-v<N>``) once they came; its adapter config in AReaL's
+    fields. ``base_model_name`` is accepted (one base model here)."""
+
+    lora_name: LoraName
+    lora_int_id: PositiveInt
+    lora_target_modules: list[Annotated[str, Field(max_length=256)]] | str
+    lora_rank: PositiveInt
+    lora_alpha: int | float
+    lora_bias: str = Field(max_length=64)
+    base_model_name: str | None = Field(default=None, max_length=4096)
+
+    def lora_config(self) -> dict[str, Any]:
+        """The fields as PEFT's ``adapter_config.json`` names them (AReaL's worker builds its
+        ``PEFTHelper`` from the same four)."""
+        return {
+            "peft_type": "LORA",
+            "r": self.lora_rank,
+            "lora_alpha": self.lora_alpha,
+            "target_modules": self.lora_target_modules,
+            "bias": self.lora_bias,
+        }

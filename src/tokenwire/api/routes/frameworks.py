@@ -1,8 +1,9 @@
 """Routes RL frameworks' own bundled servers add (``--enable-rl-control``, the control key):
 SkyRL's ``/collective_rpc`` methods and ``/fetch_weights``, skyrl-train's
 ``/init_weight_update_communicator``, AReaL's ``/areal_*`` (its checkpoint reload and its
-two-step distributed update included). Bodies and answers are theirs;
-each route is one control-plane call (``pipeline.control.frameworks`` for SkyRL's methods)."""
+two-step distributed update, of base weights and of a LoRA adapter, included). Bodies and
+answers are theirs; each route is one control-plane call (``pipeline.control.frameworks`` for
+SkyRL's methods)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tokenwire.api.state import pipeline_of
 from tokenwire.pipeline.control import frameworks
 from tokenwire.protocol.control import InitWeightsUpdateGroupBody
 from tokenwire.protocol.frameworks import (
+    ArealLoraWeightMetaBody,
     ArealUpdateWeightsBody,
     ArealWeightMetaBody,
     CollectiveRpcBody,
@@ -107,4 +109,24 @@ async def areal_update_weights_xccl(request: Request) -> Response:
     the announced tensors come over the group and load; a hold from /areal_pause_generation
     stays until /areal_continue_generation."""
     await pipeline_of(request).control.transfer.receive_announced()
+    return OrjsonResponse({"success": True, "message": _AREAL_RANK_OK})
+
+
+@router.post("/areal_set_update_weight_meta_lora", response_model=SuccessMessageResponse)
+async def areal_set_update_weight_meta_lora(
+    body: ArealLoraWeightMetaBody, request: Request
+) -> Response:
+    """AReaL's first step of a LoRA update: the factors the next
+    /areal_update_weights_lora_xccl receives for adapter ``lora_int_id`` (checked now)."""
+    await pipeline_of(request).control.transfer.announce_adapter(body)
+    return OrjsonResponse({"success": True, "message": _AREAL_RANK_OK})
+
+
+@router.post("/areal_update_weights_lora_xccl", response_model=SuccessMessageResponse)
+async def areal_update_weights_lora_xccl(
+    body: ArealLoraWeightMetaBody, request: Request
+) -> Response:
+    """AReaL's second step (the same body): requests in flight end, the announced factors
+    come over the group, and the adapter is replaced and served as ``lora_name``."""
+    await pipeline_of(request).control.transfer.receive_announced_adapter(body.lora_name)
     return OrjsonResponse({"success": True, "message": _AREAL_RANK_OK})

@@ -9,6 +9,11 @@ releases it when it ends, and every token it samples reports that version. A ver
 newer load replaced (or an unload removed) leaves the engine when its last request ends.
 ``--max-loras`` counts the versions engines hold, here and nowhere else: engines get resolved
 versions and keep one spare slot for the version a load replaces.
+
+Each adapter name also has vLLM's LoRA int id (``lora_int_id``): numbered from 1 in the order
+names are first loaded, kept by in-place loads, as vLLM's ``OpenAIServingModels`` numbers them
+(``--lora-modules`` first). AReaL's weight update names the adapter it replaces by that id and
+serves it under a new name (``replace_by_id``).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class Adapter:
     path: str  # its directory, or ``MEMORY_ADAPTER_PATH``
     config: dict[str, Any]
     current: AdapterVersion  # what new requests get
+    int_id: int  # vLLM's lora_int_id: one per name, kept by in-place loads
 
     @property
     def version(self) -> str:
@@ -70,6 +76,7 @@ class AdapterRegistry:
         self._holders: dict[AdapterVersion, int] = {}
         self._retired: set[AdapterVersion] = set()
         self._loads = 0  # numbers load ids, and the versions of loads that name none
+        self._int_ids = 0  # numbers adapter names as vLLM's lora_id_counter does
         self._lock = asyncio.Lock()
         self._evictions: set[asyncio.Task[None]] = set()
 
@@ -165,6 +172,51 @@ class AdapterRegistry:
             source = AdapterTensors(config, tensors)
             return await self._install(name, MEMORY_ADAPTER_PATH, config, source, version, param)
 
+    async def replace_by_id(
+        self,
+        int_id: int,
+        name: str,
+        tensors: Mapping[str, Any],
+        *,
+        config: dict[str, Any],
+        version: str | None = None,
+        param: str = "lora_int_id",
+    ) -> Adapter:
+        """AReaL's LoRA update: the adapter with vLLM's id ``int_id`` gets new factors and is
+        served as ``name`` from now on (its old name, if another, is gone; requests under the
+        old version finish under it), keeping the id. A 400 and nothing changes when no
+        adapter has the id or ``name`` is another adapter's."""
+        async with self._lock:
+            replaced = self.check_replacement(int_id, name)
+            source = AdapterTensors(config, tensors)
+            return await self._install(
+                name, MEMORY_ADAPTER_PATH, config, source, version, param, replaced=replaced
+            )
+
+    def check_replacement(self, int_id: int, name: str) -> Adapter:
+        """The adapter ``replace_by_id`` would replace; a 400 unless one has vLLM's id
+        ``int_id`` and ``name`` may name it (no base model's, no other adapter's)."""
+        self._require_on()
+        self._check_name(name)
+        replaced = self.by_id(int_id)
+        clash = self._loaded.get(name)
+        if clash is not None and clash is not replaced:
+            raise InvalidRequest(
+                f"lora_name: {name!r} is another LoRA adapter (lora_int_id {clash.int_id}), "
+                f"not {int_id}'s",
+                "lora_name",
+            )
+        return replaced
+
+    def by_id(self, int_id: int, param: str = "lora_int_id") -> Adapter:
+        """The adapter with vLLM's ``lora_int_id``; a 400 (vLLM's words) when none has it."""
+        self._require_on()
+        for adapter in self._loaded.values():
+            if adapter.int_id == int_id:
+                return adapter
+        available = sorted(a.int_id for a in self._loaded.values())
+        raise InvalidRequest(f"LoRA adapter {int_id} not found. Available: {available}", param)
+
     async def unload(self, name: str) -> None:
         self._require_on()
         if not name:
@@ -231,10 +283,13 @@ class AdapterRegistry:
         source: AdapterTensors,
         version: str | None,
         param: str,
+        *,
+        replaced: Adapter | None = None,
     ) -> Adapter:
         """Hand a new version to the engine, then make it current (the caller holds the lock).
-        The version it replaces counts as free unless requests hold it: it leaves at once."""
-        replaced = self._loaded.get(name)
+        The version it replaces (``name``'s, or ``replaced``'s, which then leaves its name)
+        counts as free unless requests hold it: it leaves at once."""
+        replaced = replaced or self._loaded.get(name)
         current = None if replaced is None else replaced.current
         in_use = [v for v, holders in self._holders.items() if v is not current or holders]
         if len(in_use) >= self.max_loras:
@@ -251,7 +306,14 @@ class AdapterRegistry:
         except EngineError as exc:
             raise InvalidRequest(f"LoRA adapter not loaded: {exc}", param) from exc
         self._holders[new] = 0
-        self._loaded[name] = Adapter(name, path, config, new)
+        if replaced is None:
+            self._int_ids += 1
+            int_id = self._int_ids
+        else:
+            int_id = replaced.int_id
+            if replaced.name != name:  # a rename: the old name is gone
+                del self._loaded[replaced.name]
+        self._loaded[name] = Adapter(name, path, config, new, int_id)
         if replaced is not None:
             await self._retire(replaced.current)
         return self._loaded[name]

@@ -11,7 +11,9 @@ carries one LoRA adapter's factors instead, loaded through the adapter registry 
 so does every update of the next round after ``arm_lora_target`` (SkyRL's receive target, which
 names the adapter out of band, and the factors that share a sent one). SGLang's one-call
 update receives and loads at once; AReaL's vLLM server splits it in two, the tensors announced
-(``announce``) and then received (``receive_announced``).
+(``announce``) and then received (``receive_announced``), and so for a LoRA adapter's factors
+(``announce_adapter``, ``receive_announced_adapter``: the adapter registry replaces the adapter
+vLLM numbers ``lora_int_id`` and serves it under the new name).
 
 The group is this object's; it changes only under the weight lifecycle's lock.
 """
@@ -45,6 +47,7 @@ from tokenwire.protocol.control import (
     UpdateWeightsFromDistributedBody,
     UpdateWeightsFromTensorBody,
 )
+from tokenwire.protocol.frameworks import ArealLoraWeightMetaBody
 from tokenwire.weight_transfer import (
     TensorMeta,
     WeightTransferConfig,
@@ -81,6 +84,17 @@ class AnnouncedUpdate:
 
 
 @dataclass(frozen=True, slots=True)
+class AnnouncedAdapter:
+    """A LoRA adapter's factors named for the next ``receive_announced_adapter`` (AReaL's
+    LoRA weight meta): which adapter they replace (vLLM's ``lora_int_id``) and its config."""
+
+    tensors: tuple[TensorMeta, ...]
+    group_name: str
+    int_id: int
+    config: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
 class LoraTarget:
     """The adapter the next update round carries when its ``update_info`` names none."""
 
@@ -111,8 +125,10 @@ class WeightTransfer:
         self._previous: tuple[TensorMeta, ...] = ()  # what empty update_info lists repeat
         # Armed for the next round; disarmed at finish, or when the group closes.
         self._target: LoraTarget | None = None
-        # Announced, not yet received; dropped with the group.
+        # Announced, not yet received; dropped with the group. AReaL's worker keeps base
+        # weights' and an adapter's announcements apart, so here too.
         self._announced: AnnouncedUpdate | None = None
+        self._announced_adapter: AnnouncedAdapter | None = None
 
     @property
     def timeout_s(self) -> float:
@@ -223,6 +239,7 @@ class WeightTransfer:
         end with it."""
         self._target = None
         self._announced = None
+        self._announced_adapter = None
         if self._group is not None:
             self._group = None
             await self._engine().leave_weight_group()
@@ -463,6 +480,56 @@ class WeightTransfer:
             self._require_group(announced.group_name)
             await self._receive_at_once(announced.tensors, None)
 
+    async def announce_adapter(self, body: ArealLoraWeightMetaBody) -> None:
+        """AReaL's ``/areal_set_update_weight_meta_lora``: name the LoRA factors the next
+        ``receive_announced_adapter`` takes, for the adapter vLLM numbers ``lora_int_id``
+        (loaded already: AReaL starts its server with the first version as a LoRA module), with
+        AReaL's config fields. Checked now (the adapter exists, ``lora_name`` may name it, each
+        factor fits the model under that config); a misfit is refused and closes the group, as
+        ``announce``."""
+        metas = _named_metas(body.names, body.dtypes, body.shapes)
+        config = body.lora_config()
+        async with self._weights.locked():
+            self._require_group(body.group_name)
+            try:
+                self._adapters.check_replacement(body.lora_int_id, body.lora_name)
+                self._engine().check_adapter_update(config, metas)
+            except (WeightsError, InvalidRequest) as exc:
+                await self._refuse(exc, _param_of(exc, "names"))
+            self._announced_adapter = AnnouncedAdapter(
+                metas, body.group_name, body.lora_int_id, config
+            )
+
+    async def receive_announced_adapter(self, lora_name: str) -> None:
+        """AReaL's ``/areal_update_weights_lora_xccl``: requests in flight end (AReaL's server
+        pauses without waiting for them), the announced factors come into new tensors (the
+        adapter serves on meanwhile: a broadcast that breaks off leaves it as it was), then the
+        registry replaces the announced adapter with them, served as ``lora_name`` (this
+        call's, as AReaL's server registers it). Factor names lose PEFT's adapter name
+        (``.default``), as AReaL's worker strips it. Each announcement is received once."""
+        if self._announced_adapter is None:
+            raise InvalidRequest(
+                "no LoRA factors announced: POST /areal_set_update_weight_meta_lora {names, "
+                "dtypes, shapes, group_name, lora_name, lora_int_id, ...} first",
+                "names",
+            )
+        await self._abort_all()
+        async with self._weights.locked():
+            announced, self._announced_adapter = self._announced_adapter, None
+            if announced is None:  # the group closed meanwhile
+                raise InvalidRequest(
+                    "the announced LoRA factors were dropped with their group: init it and "
+                    "announce them again",
+                    "group_name",
+                )
+            self._require_group(announced.group_name)
+            staged = StagedAdapter(lora_name, announced.config)
+            received = await self._receive_factors(WeightUpdate(announced.tensors), staged, "names")
+            tensors = {name.replace("default.", ""): t for name, t in received.items()}
+            await self._adapters.replace_by_id(
+                announced.int_id, lora_name, tensors, config=announced.config
+            )
+
     def _require_group(self, group_name: str | None) -> None:
         """A 400 unless ``group_name`` names the open group (None: any), and no vLLM-style
         update is open (the lock held)."""
@@ -516,6 +583,11 @@ class WeightTransfer:
                 "init_info",
             )
         return self.config
+
+
+def _param_of(exc: Exception, default: str) -> str:
+    """The field an error names, else ``default``."""
+    return getattr(exc, "param", None) or default
 
 
 def _named_metas(
