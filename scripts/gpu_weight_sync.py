@@ -78,7 +78,7 @@ GREEDY = {"temperature": 0, "max_tokens": 8, "logprobs": 0}
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 GROUP_NAME = "weight_update_group"
 # Joining, and each broadcast, wait at most this long (server and trainers).
-TRANSFER_TIMEOUT_S = 30
+TRANSFER_TIMEOUT_S = 20
 TRAINER_TIMEOUT_S = 300
 # Two processes on one GPU: NCCL refuses two ranks of one communicator on the same device
 # ("Duplicate GPU detected") unless they look like different hosts; then they talk over
@@ -452,7 +452,7 @@ def trainer_sglang(
     }
     thread, answer = _post_in_thread(server, "/init_weights_update_group", init)
     group = sglang_group(backend, port, 2, GROUP_NAME)
-    joined = _answer(thread, answer, TRANSFER_TIMEOUT_S + 30)
+    joined = _answer(thread, answer, TRANSFER_TIMEOUT_S + 20)
     if joined.status_code != 200 or not joined.json().get("success", True):
         raise SystemExit(f"init_weights_update_group: {joined.status_code} {joined.text}")
     print("ready", flush=True)
@@ -478,7 +478,7 @@ def trainer_sglang(
         except Exception as exc:  # the server closed its end: its answer says why
             broken = f" (broadcast: {type(exc).__name__})"
         try:
-            response = _answer(thread, answer, TRANSFER_TIMEOUT_S + 60)
+            response = _answer(thread, answer, TRANSFER_TIMEOUT_S + 30)
             print(f"status {response.status_code} {response.text[:300]}{broken}", flush=True)
         except Exception as exc:
             print(f"status none {type(exc).__name__}: {exc}{broken}", flush=True)
@@ -724,7 +724,7 @@ class Run:
             with self.client() as client:
                 ok(client.post("/pause", params={"mode": "keep"}))
                 trainer.go()
-                status = trainer.expect("status", TRANSFER_TIMEOUT_S + 120)
+                status = trainer.expect("status", TRANSFER_TIMEOUT_S + 60)
         finally:
             trainer.stop()
         code = status.split(" ", 2)[1]
@@ -788,6 +788,8 @@ def orchestrate(args: argparse.Namespace) -> int:
         raise SystemExit("--device cuda: torch sees no CUDA device")
     if args.backend == "nccl" and args.device != "cuda":
         raise SystemExit("--backend nccl needs --device cuda")
+    # A timeout's SIGTERM ends the run through its cleanup (the server and trainers stopped).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(args.work or tempfile.mkdtemp(prefix="gpu-weight-sync-"))
     work.mkdir(parents=True, exist_ok=True)
     print(versions_line(args.device), flush=True)
@@ -819,6 +821,9 @@ def orchestrate(args: argparse.Namespace) -> int:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(work / "server.log", out / "server.log")
+            with open(out / "trainers.log", "w") as logs:
+                for log in sorted(work.glob("trainer-*.log")):
+                    logs.write(f"== {log.name}\n{log.read_text(errors='replace')}\n")
             rows_json = [vars(r) for r in run.rows]
             (out / "summary.json").write_text(json.dumps(rows_json, indent=1))
     return status
