@@ -12,7 +12,8 @@
 # (device/KINDS.md's package list: it has torch, transformers, tokenizers, safetensors,
 # accelerate, numpy, jinja2, httpx, pillow, prometheus-client, uvloop, click, h11, anyio,
 # annotated-doc), at the versions .venv tests: fastapi imports opentelemetry-api, uvicorn's
-# httptools protocol is tokenwire's, and pydantic needs a recent typing-extensions.
+# httptools protocol is tokenwire's, and pydantic and anyio (carried, for fastapi's >= 4.1)
+# need a recent typing-extensions.
 # gguf is left out (only `--model x.gguf` imports it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +24,7 @@ WHEELS=(
   fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5
   annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
   opentelemetry-api==1.45.3 uvicorn==0.55.0 httptools==0.9.0 orjson==3.13.0 minijinja==3.1.0
-  llguidance==1.9.1
+  llguidance==1.9.1 anyio==4.16.0
 )
 ASSET_FILES=(config.json generation_config.json tokenizer.json tokenizer_config.json
              chat_template.jinja)
