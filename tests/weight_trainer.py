@@ -33,7 +33,8 @@ from tokenwire.weight_transfer import broadcast, dtype_name
 def one_step(model: torch.nn.Module) -> None:
     """A real training step: next-token loss on a fixed sequence, one AdamW update."""
     torch.manual_seed(0)
-    ids = torch.tensor([[504, 3575, 282, 4649, 314, 5248, 30, 378, 3575, 282, 4649, 314]])
+    ids = [[504, 3575, 282, 4649, 314, 5248, 30, 378, 3575, 282, 4649, 314]]
+    ids = torch.tensor(ids, device=next(model.parameters()).device)  # a trainer on CUDA too
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
