@@ -85,7 +85,6 @@ class FrontMiddleware:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        request_id = header(scope, REQUEST_ID_HEADER) or uuid.uuid4().hex.encode()
         status = 0  # until the response starts
 
         async def front_send(message: Message) -> None:
@@ -93,8 +92,10 @@ class FrontMiddleware:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 headers = message.get("headers") or []
-                # A route that resolved its own id (e.g. from the body) has set it already.
+                # A route that resolved its own id (e.g. from the body) has set it already; an
+                # id is made only for a response without one.
                 if all(key.lower() != REQUEST_ID_HEADER for key, _ in headers):
+                    request_id = header(scope, REQUEST_ID_HEADER) or uuid.uuid4().hex.encode()
                     message["headers"] = [*headers, (REQUEST_ID_HEADER, request_id)]
             await send(message)
 
