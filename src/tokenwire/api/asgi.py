@@ -33,6 +33,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from fastapi import FastAPI
+from starlette.middleware.errors import ServerErrorMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenwire.api.control_key import (
@@ -64,6 +66,38 @@ class FrontConfig:
     max_bytes: int
     read_timeout_s: float
     direct: DirectRoutes
+
+
+class FrontedApp(FastAPI):
+    """FastAPI with the front middleware outside every one of FastAPI's own layers.
+
+    Added as a middleware, the front sat inside them: each request first paid FastAPI's
+    telemetry check (three environment reads in opentelemetry), Starlette's error, telemetry
+    and body-limit layers, and a wrapper of ``send`` for every message: about a tenth of a short
+    generate's CPU, and a call per streamed chunk. Outside, a direct route meets none of them
+    (nor FastAPI's native telemetry, which tokenwire does not configure); any other request goes
+    on into FastAPI as before, less Starlette's ``ServerErrorMiddleware``: the front answers a
+    bug with the JSON 500 and keeps the connection, where that layer would answer text/plain
+    first and re-raise.
+    """
+
+    front: FrontMiddleware | None = None
+
+    def set_front(self, config: FrontConfig) -> None:
+        self.front = FrontMiddleware(super().__call__, config)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.front is not None:
+            scope["app"] = self  # as Starlette sets it: routes find the app's state there
+            await self.front(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+    def build_middleware_stack(self) -> ASGIApp:
+        stack = super().build_middleware_stack()
+        if self.front is not None and isinstance(stack, ServerErrorMiddleware):
+            return stack.app
+        return stack
 
 
 class FrontMiddleware:
