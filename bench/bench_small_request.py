@@ -194,23 +194,48 @@ def capture(url: str, body: dict[str, Any]) -> Any:
 
 
 async def load(url: str, body: dict[str, Any], requests: int, clients: int) -> None:
-    """``requests`` POSTs of ``body`` from ``clients`` keep-alive connections."""
+    """``requests`` POSTs of ``body`` from ``clients`` keep-alive connections.
+
+    A raw HTTP/1.1 client on asyncio streams, not httpx: the load must cost the shared cores
+    little, so that the server is busy and handles requests several per wake-up, as under load;
+    a slow client leaves it idle between requests, paying a wake-up each.
+    """
+    host, port = url.removeprefix("http://").split(":")
     payload = orjson.dumps(body)
-    headers = {"content-type": "application/json"}
+    request = (
+        f"POST {GENERATE} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(payload)}\r\n\r\n"
+    ).encode() + payload
     left = iter(range(requests))
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
 
-    async def client(http: httpx.AsyncClient) -> None:
-        for _ in left:
-            response = await http.post(url + GENERATE, content=payload, headers=headers)
-            response.raise_for_status()
-            if body.get("stream") and (
-                b'"error"' in response.content or not response.content.endswith(b"[DONE]\n\n")
-            ):
-                raise RuntimeError(f"the stream failed: {response.text[-300:]}")
+    async def client() -> None:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            for _ in left:
+                writer.write(request)
+                answer = await _response(reader)
+                if body.get("stream") and (b'"error"' in answer or b"[DONE]" not in answer):
+                    raise RuntimeError(f"the stream failed: {answer[-300:]!r}")
+        finally:
+            writer.close()
 
-    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
-        await asyncio.gather(*(client(http) for _ in range(clients)))
+    await asyncio.gather(*(client() for _ in range(clients)))
+
+
+async def _response(reader: asyncio.StreamReader) -> bytes:
+    """One response's body (a 200's: anything else raises); chunked or by length."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200 "):
+        raise RuntimeError(f"the server answered {head[:200]!r}")
+    lines = head.lower().split(b"\r\n")
+    for line in lines:
+        if line.startswith(b"content-length:"):
+            return await reader.readexactly(int(line[15:]))
+    chunks = []
+    while size := int(await reader.readuntil(b"\r\n"), 16):
+        chunks.append(await reader.readexactly(size + 2))
+    await reader.readuntil(b"\r\n")
+    return b"".join(chunks)
 
 
 def measure(server: ServerProcess, body: dict[str, Any], requests: int, clients: int) -> float:
