@@ -44,6 +44,7 @@ from tokenwire.api.control_key import (
     ROUTER_KEY_REFUSED,
     TaggedRoutes,
 )
+from tokenwire.api.deadlines import Deadlines
 from tokenwire.api.direct import NO_BODY_METHODS, DirectRoutes
 from tokenwire.api.errors import error_response
 from tokenwire.api.metrics import Metrics
@@ -112,6 +113,8 @@ class FrontMiddleware:
         self.stateless_routes = config.stateless_routes
         self.max_bytes = config.max_bytes
         self.read_timeout_s = config.read_timeout_s
+        # A body may arrive up to a tenth of its time (a second at most) past its deadline.
+        self.read_deadlines = Deadlines(min(config.read_timeout_s / 10, 1.0))
         self.direct = config.direct
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -214,7 +217,7 @@ class FrontMiddleware:
             await self._too_large(scope, receive, send)
             return None
         try:
-            async with asyncio.timeout(self.read_timeout_s):
+            with self.read_deadlines.within(self.read_timeout_s):
                 body = await self._read(receive)
         except TimeoutError:
             timeout = f"The request body did not arrive within {self.read_timeout_s:g} s"
