@@ -32,6 +32,7 @@ MODEL_FREE = {
     "bench_frontend_idle.py",
     "bench_pipeline_http.py",
     "bench_render.py",
+    "bench_small_request.py",
 }
 NEEDS_VLLM = {"bench_vs_vllm.py"}
 SMOKE_TIMEOUT_S = 900  # a loaded 2-core machine takes minutes to start a model server

@@ -19,7 +19,7 @@ import logging
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -39,7 +39,7 @@ from starlette.testclient import TestClient
 
 from tests.fake_engine import FakeEngine
 from tokenwire.api.app import create_app
-from tokenwire.api.asgi import FrontConfig, FrontMiddleware
+from tokenwire.api.asgi import FrontedApp
 from tokenwire.api.direct import OFFLOAD_BYTES, DirectRoutes, direct_routes
 from tokenwire.api.routes import tokenize as tokenize_routes
 from tokenwire.assets import prepare
@@ -332,17 +332,16 @@ CONTENT_TYPES: list[str | None] = [
 ]
 
 
-def front_config(app: Any) -> Any:
-    """The front middleware's entry in the app's middleware list."""
-    (front,) = [m for m in app.user_middleware if m.cls is FrontMiddleware]
-    return front
+def direct_table(app: FrontedApp) -> DirectRoutes:
+    """The app's direct table, as its front middleware holds it."""
+    assert app.front is not None
+    return app.front.direct
 
 
-def without_direct(app: Any) -> Any:
+def without_direct(app: FrontedApp) -> FrontedApp:
     """The same app with its direct table empty: every request goes through FastAPI."""
-    front = front_config(app)
-    config: FrontConfig = front.kwargs["config"]
-    front.kwargs["config"] = replace(config, direct={})
+    assert app.front is not None
+    app.front.direct = {}
     return app
 
 
@@ -459,7 +458,7 @@ def fake_engine() -> FakeEngine:
 @pytest.fixture(scope="module")
 def pair() -> Iterator[Pair]:
     shipped = create_app(SETTINGS, engine=fake_engine())
-    table = front_config(shipped).kwargs["config"].direct
+    table = direct_table(shipped)
     answered: list[str] = []
     recording(table, answered)
     plain = without_direct(create_app(SETTINGS, engine=fake_engine()))
@@ -706,7 +705,7 @@ def test_fastapi_internals_gone_fall_back_to_fastapi(
     with monkeypatch.context() as patch, caplog.at_level(logging.WARNING, "tokenwire.api"):
         BREAKAGES[breakage](route, patch)
         app = create_app(SETTINGS)
-    table = front_config(app).kwargs["config"].direct
+    table = direct_table(app)
     assert ("POST", "/tokenize") not in table and ("POST", "/detokenize") in table
     assert "/tokenize is left to FastAPI" in caplog.text
     client = TestClient(app)  # no lifespan: no model, FastAPI's answers are enough

@@ -16,7 +16,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from tokenwire import __version__
-from tokenwire.api.asgi import FrontConfig, FrontMiddleware
+from tokenwire.api.asgi import FrontConfig, FrontedApp
 from tokenwire.api.control_key import STATELESS, TaggedRoutes
 from tokenwire.api.direct import direct_routes
 from tokenwire.api.errors import install_error_handlers
@@ -62,7 +62,7 @@ logger = logging.getLogger("tokenwire")
 GC_THRESHOLDS = (500_000, 20, 20)
 
 
-def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
+def create_app(settings: Settings, engine: Engine | None = None) -> FrontedApp:
     """The app for ``settings``; ``engine`` (unstarted) replaces the one ``--engine`` names, so
     tests can run everything above the engine on a scripted one."""
     session_store = SessionStore(
@@ -96,7 +96,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                     await pipeline.runtime.request_templates.aclose()
             session_store.close()
 
-    app = FastAPI(
+    app = FrontedApp(
         title="tokenwire",
         version=__version__,
         summary="Token-in/token-out LLM server for reinforcement-learning loops",
@@ -143,7 +143,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         read_timeout_s=settings.request_read_timeout_s,
         direct=direct_routes(routers),
     )
-    app.add_middleware(FrontMiddleware, config=front)
+    app.set_front(front)
     return app
 
 

@@ -9,7 +9,6 @@ about 1.4 ms of CPU per in-flight request-second (1.4 cores for 1,024 requests i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -26,22 +25,41 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
     The only reader of ``receive()`` meanwhile: the body was read before, and the response
     (Starlette's StreamingResponse listens for the disconnect too) starts after this returns.
+    ``work`` runs in the caller's task, which the waiter cancels on a disconnect: one task per
+    request instead of a second one for ``work`` and an ``asyncio.wait`` over both (a fifth of
+    a short request's cost in the pipeline).
     """
-    task = asyncio.ensure_future(work)
-    waiter = asyncio.ensure_future(_disconnect(request.receive))
+    task = asyncio.current_task()
+    assert task is not None, "called from a task"
+    waiting = True
+    gone = False
+
+    def on_disconnect(waiter: asyncio.Task[None]) -> None:
+        nonlocal gone
+        # The waiter may end after ``work`` did, before this callback ran: nothing to cancel.
+        if waiting and not waiter.cancelled():
+            gone = True
+            task.cancel()
+
+    waiter = asyncio.get_running_loop().create_task(_disconnect(request.receive))
+    waiter.add_done_callback(on_disconnect)
     try:
-        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        raise ClientGone("Client disconnected")
+        result = await work
+    except BaseException as exc:
+        if not gone:
+            raise  # a failure, or the server's shutdown
+        task.uncancel()  # the cancellation was ours: nothing above may see it pending
+        if isinstance(exc, asyncio.CancelledError):
+            raise ClientGone("Client disconnected") from None
+        raise
     finally:
+        waiting = False
         # Cancelled while parked in receive(), the waiter has taken no message.
         waiter.cancel()
-        if not task.done():
-            task.cancel()
+    if gone:  # ``work`` ended anyway; the cancellation it swallowed was ours
+        task.uncancel()
+        raise ClientGone("Client disconnected")
+    return result
 
 
 async def _disconnect(receive: Receive) -> None:

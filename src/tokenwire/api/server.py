@@ -149,6 +149,11 @@ class HttpProtocol(HttpToolsProtocol):
         self.header_timeout_s = header_timeout_s
         self.max_connections = max_connections
         self.send_timeout_s = send_timeout_s
+        # The header deadline counts from the connection opening or a request's first byte
+        # (None: no headers awaited). Its timer is not armed and cancelled per request (6 µs
+        # each with uvloop): one stays armed, and when it fires early for the request now
+        # awaited (armed for an earlier one) it is armed again for the rest of its time.
+        self._headers_since: float | None = None
         self._header_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
 
@@ -157,16 +162,17 @@ class HttpProtocol(HttpToolsProtocol):
         if len(self.connections) > self.max_connections:
             self._refuse(503, f"The server has {self.max_connections} connections open")
             return
-        self._arm_header_timer()
+        self._await_headers()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if self._header_timer is None:  # a keep-alive connection's next request
-            self._arm_header_timer()
+        if self._headers_since is None:  # a keep-alive connection's next request
+            self._await_headers()
 
     def on_headers_complete(self) -> None:
-        self._cancel_header_timer()
+        self._headers_since = None
         super().on_headers_complete()
+        self.cycle.transport = OneWriteHead(self.transport, self.loop)  # type: ignore[assignment]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
@@ -198,16 +204,26 @@ class HttpProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         self._refuse(400, msg)
 
-    def _arm_header_timer(self) -> None:
-        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+    def _await_headers(self) -> None:
+        self._headers_since = self.loop.time()
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
 
     def _cancel_header_timer(self) -> None:
+        self._headers_since = None
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
 
     def _headers_late(self) -> None:
         self._header_timer = None
+        since = self._headers_since
+        if since is None:
+            return  # no headers awaited: the next request arms the timer again
+        left = since + self.header_timeout_s - self.loop.time()
+        if left > 0:
+            self._header_timer = self.loop.call_later(left, self._headers_late)
+            return
         if self.transport.is_closing():
             return
         if self.cycle is not None and not self.cycle.response_complete:
@@ -235,6 +251,44 @@ class HttpProtocol(HttpToolsProtocol):
         )
         self.transport.write(b"".join(head))
         self.transport.close()
+
+
+class OneWriteHead:
+    """A response's view of its connection: its head (uvicorn writes it as soon as the
+    response starts) is held until the body's first bytes and leaves with them in one write,
+    one system call instead of two per response. A head whose body does not follow in the
+    same step of the request's task (a stream whose first chunk comes later) leaves at the end
+    of that step."""
+
+    __slots__ = ("_held", "_loop", "_started", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._started = False
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        if self._held is not None:
+            data, self._held = self._held + data, None
+        elif not self._started:  # the first write: the head (or a 100 Continue before it)
+            self._started = True
+            self._held = data
+            self._loop.call_soon(self.flush)
+            return
+        self._transport.write(data)
+
+    def flush(self) -> None:
+        if self._held is not None:
+            data, self._held = self._held, None
+            self._transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
 
 
 # File descriptors kept back from connections: model shards, template workers, media, logs.

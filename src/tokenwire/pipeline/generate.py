@@ -106,20 +106,23 @@ async def request_grammar(
     constraint starts after the model's reasoning, on every route (vLLM's rule). A 400 naming
     the field when the engine cannot enforce one or the grammar engine refuses it."""
     params = prompt.sampling
-    source = params.constraint_source
     try:
         constraint = params.constraint
     except ValueError as exc:
-        raise InvalidRequest(str(exc), source) from exc
+        raise InvalidRequest(str(exc), params.constraint_source) from exc
     forced = parsing.forced_tools if parsing is not None else None
     if forced is not None:
         if constraint is not None:
             raise InvalidRequest(
-                f"tool_choice and {source} both constrain the output: set one", "tool_choice"
+                f"tool_choice and {params.constraint_source} both constrain the output: set one",
+                "tool_choice",
             )
         constraint, source = forced, "tool_choice"
-    if constraint is None:
+    elif constraint is None:
         return None
+    else:
+        # Read only here: a pydantic private attribute costs microseconds per request.
+        source = params.constraint_source
     grammars = runtime.grammars
     if "structured_outputs" not in runtime.engine.features or grammars is None:
         raise InvalidRequest(

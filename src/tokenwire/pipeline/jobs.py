@@ -45,14 +45,14 @@ class GenerationJob:
         pipeline need not watch on the way (no stop string to find) asks its engine for its end
         only (``Engine.generate``'s ``final_only``)."""
         try:
-            streams = merge(
-                [
-                    self._run(choice, final_only=not streamed and not choice.stops_on_text)
-                    for choice in self.choices
-                ]
-            )
+            runs = [
+                self._run(choice, final_only=not streamed and not choice.stops_on_text)
+                for choice in self.choices
+            ]
+            # Most requests have one choice: its stream as it is, one generator less per token.
+            streams = runs[0] if len(runs) == 1 else merge(runs)
             async with contextlib.aclosing(streams):
-                async for _, delta in streams:
+                async for delta in streams:
                     yield delta
         finally:
             self.end()
@@ -160,19 +160,14 @@ class JobRegistry:
         return len(self._jobs)
 
 
-async def merge(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:
-    """Items of several streams as they come, tagged with the stream's index.
+async def merge(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncIterator[T]:
+    """Items of several streams as they come.
 
     A stream makes its next item only once its previous one was taken, so whatever a stream
     updates while making an item (a choice's state) is as the consumer of that item left it.
     The first error of any stream ends the merge and is raised; leaving early (or an error)
     cancels every stream still running, which closes them (and aborts their engine requests).
     """
-    if len(streams) == 1:  # most requests: nothing to merge
-        async with contextlib.aclosing(streams[0]) as stream:
-            async for item in stream:
-                yield 0, item
-        return
     queue: asyncio.Queue[tuple[int, T] | BaseException | None] = asyncio.Queue()
     taken = [asyncio.Event() for _ in streams]
 
@@ -199,8 +194,9 @@ async def merge(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncIterator[tup
             elif isinstance(item, BaseException):
                 raise item
             else:
-                yield item
-                taken[item[0]].set()
+                index, value = item
+                yield value
+                taken[index].set()
     finally:
         for task in tasks:
             task.cancel()

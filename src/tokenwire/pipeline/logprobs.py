@@ -26,13 +26,14 @@ def alternatives(entry: TokenLogprob, width: int) -> list[tuple[int, float, int]
     the most likely others, ``width`` in all (fewer when the engine reported fewer)."""
     if width <= 0:
         return []
-    chosen = [(entry.token_id, entry.logprob, entry.rank)]
-    others = (
-        (token_id, logprob, rank)
-        for rank, (token_id, logprob) in enumerate(entry.top, start=1)
-        if token_id != entry.token_id
-    )
-    return chosen + list(itertools.islice(others, width - 1))
+    sampled = entry.token_id
+    result = [(sampled, entry.logprob, entry.rank)]
+    for rank, (token_id, logprob) in enumerate(entry.top, start=1):
+        if len(result) == width:
+            break
+        if token_id != sampled:
+            result.append((token_id, logprob, rank))
+    return result
 
 
 def generate_width(num_logprobs: int) -> int:
@@ -45,9 +46,14 @@ def token_logprobs_json(entries: Sequence[TokenLogprob], num_top: int) -> dict[s
     placeholder (renderers, AReaL) and ``token_id`` (vLLM 0.32+)."""
     width = generate_width(num_top)
     content = []
+    # The per-token hot loop of a generate answer (a stream's too): the sampled token's entry
+    # built directly, the alternatives through ``alternatives`` only when more are asked.
     for entry in entries:
-        top = [_placeholder(*alt) for alt in alternatives(entry, width)]
-        content.append({**top[0], "top_logprobs": top})
+        sampled = _placeholder(entry.token_id, entry.logprob, entry.rank)
+        top = [sampled]
+        if width > 1:
+            top.extend(_placeholder(*alt) for alt in alternatives(entry, width)[1:])
+        content.append({**sampled, "top_logprobs": top})
     return {"content": content}
 
 
