@@ -149,6 +149,17 @@ def load_model(model_dir: Path | str, device: str = "cpu") -> Any:
     return model.to(device)
 
 
+def trained_model(model_dir: str, out_dir: str, device: str) -> Any:
+    """The trainer's model after one optimizer step, its weights saved to ``out_dir`` (the
+    parity reference)."""
+    from tests.weight_trainer import one_step
+
+    model = load_model(model_dir, device)
+    one_step(model)
+    model.save_pretrained(out_dir)
+    return model
+
+
 def reference_logprobs(model_dir: Path, prompt: list[int], output: list[int]) -> tuple:
     """A trainer's view of ``output`` (float32, CPU): each token's log-softmax, and how far
     each lies below its position's best (0 where it is the argmax)."""
@@ -435,11 +446,7 @@ def trainer_sglang(
     import torch
     import torch.distributed as dist
 
-    from tests.weight_trainer import one_step
-
-    model = load_model(model_dir, device)
-    one_step(model)
-    model.save_pretrained(out_dir)
+    model = trained_model(model_dir, out_dir, device)
     server = httpx.Client(base_url=url, timeout=TRAINER_TIMEOUT_S)
     port = free_port()
     init = {
@@ -510,13 +517,10 @@ def trainer_sender(
     model_dir: str, out_dir: str, url: str, backend: str, device: str, version: str
 ) -> None:
     """tokenwire's ``WeightSender`` over ``backend``."""
-    from tests.weight_trainer import one_step
     from tokenwire.client import Client
     from tokenwire.client.weights import WeightSender
 
-    model = load_model(model_dir, device)
-    one_step(model)
-    model.save_pretrained(out_dir)
+    model = trained_model(model_dir, out_dir, device)
     sender = WeightSender([Client(url)], backend=backend, timeout_s=TRANSFER_TIMEOUT_S)
     sender.connect()
     print("ready", flush=True)
