@@ -158,7 +158,9 @@ def test_the_group_process_takes_only_what_was_announced() -> None:
     join = {"master_address": "127.0.0.1", "master_port": port, "world_size": 2}
     join |= {"backend": "gloo", "group_name": "safety", "timeout_s": 30}
     opened: dict[str, GroupProcess] = {}
-    thread = threading.Thread(target=lambda: opened.setdefault("g", GroupProcess(rank=1, **join)))
+    thread = threading.Thread(
+        target=lambda: opened.setdefault("g", GroupProcess(torch.device("cpu"), rank=1, **join))
+    )
     thread.start()
     trainer = join_group(rank=0, **join)
     thread.join()

@@ -1,16 +1,18 @@
 """A receiver's weight-transfer group (``tokenwire.weight_transfer``) held in a child process.
 
-gloo cannot refuse a broadcast longer than its buffer: it calls ``std::terminate`` in the
-receiving process (a trainer that sends tensors in another order than it named them, or in a
-wider dtype). Held here, the group lives in a child started with ``spawn`` (a fork of a server
-with threads and an engine could deadlock), so that abort ends the child alone: the server and
-its requests go on, and the caller learns that the group is gone. Each update call is received
-into one buffer in shared memory (the same for every call: it grows to the largest call and
-lives as long as the group), checked (``weight_transfer.receive``) and handed over to the
-caller whole; nothing of a failed call reaches the caller.
+Neither backend can refuse a broadcast that does not match its buffer: gloo calls
+``std::terminate`` in the receiving process for a longer one (a trainer that sends tensors in
+another order than it named them, or in a wider dtype), and NCCL checks no counts at all, so a
+mismatch stalls until its watchdog tears the process down after the group's timeout (as it
+does for a trainer that stalls). Held here, the group lives in a child started with ``spawn``
+(a fork of a server with threads and an engine could deadlock), so either ending is the
+child's alone: the server and its requests go on, and the caller learns that the group is gone.
 
-Shared memory holds CPU tensors: ``GroupProcess`` serves gloo. ``LocalGroup`` is the same
-interface in this process, for nccl (CUDA tensors), which it does not protect.
+Each update call is received into one buffer (the same for every call: it grows to the
+largest call and lives as long as the group), checked (``weight_transfer.receive``) and handed
+over to the caller whole; nothing of a failed call reaches the caller. The buffer is shared
+with the caller as torch shares tensors between processes: CPU shared memory for gloo, a CUDA
+IPC handle for nccl (on the caller's GPU).
 """
 
 from __future__ import annotations
@@ -69,23 +71,31 @@ class Group(Protocol):
 
 
 def open_group(device: torch.device, **join: Any) -> Group:
-    """Join (``join_group``'s keywords): gloo in a child process, other backends here."""
+    """Join (``join_group``'s keywords) in a child process; the received tensors are on the
+    CPU for gloo and on ``device`` (the engine's GPU) for nccl."""
     if join["backend"] == "gloo":
-        return GroupProcess(**join)
-    return LocalGroup(device, **join)
+        return GroupProcess(torch.device("cpu"), **join)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return GroupProcess(device, **join)
 
 
 class GroupProcess:
     """The group in a child process (see the module docstring). Calls come one at a time."""
 
-    def __init__(self, **join: Any) -> None:
+    def __init__(self, device: torch.device, **join: Any) -> None:
         """Start the child and join; ``GroupJoinError`` (its message, sanitized by
-        ``join_group``) when the group did not form."""
+        ``join_group``) when the group did not form. ``device``: where the child receives
+        (its GPU for nccl)."""
         self._buffer: torch.Tensor | None = None  # the child's buffer, mapped here
+        self._backend = join["backend"]
         context = mp.get_context("spawn")
         self._conn, child_end = context.Pipe()
         self._process = context.Process(
-            target=_serve, args=(child_end, join), name="tokenwire-weight-group", daemon=True
+            target=_serve,
+            args=(child_end, device, join),
+            name="tokenwire-weight-group",
+            daemon=True,
         )
         with _children_allowed():
             self._process.start()
@@ -136,10 +146,15 @@ class GroupProcess:
         """Why the child ended, as far as this process can tell."""
         self._process.join(_LEAVE_S)
         code = self._process.exitcode
-        if code == -signal.SIGABRT:
+        if code == -signal.SIGABRT and self._backend == "gloo":
             return GroupAborted(
                 "a broadcast carried more bytes than announced (a tensor sent in another "
                 "order than named, or in a wider dtype), and gloo ended the group's process"
+            )
+        if code == -signal.SIGABRT:
+            return GroupLost(
+                f"{self._backend} ended the group's process: a broadcast did not finish within "
+                "the group's timeout (the trainer stalled, or sent other tensors than announced)"
             )
         return GroupLost(f"the group's process ended (exit code {code})")
 
@@ -158,9 +173,11 @@ def _children_allowed() -> Iterator[None]:
             config["daemon"] = daemon
 
 
-def _serve(conn: Any, join: dict[str, Any]) -> None:
+def _serve(conn: Any, device: torch.device, join: dict[str, Any]) -> None:
     """The child: join, then receive each update call asked for until told to leave."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a server's Ctrl-C is the server's to handle
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL binds the group to the current device
     try:
         group = join_group(**join)
     except GroupJoinError as exc:
@@ -175,7 +192,7 @@ def _serve(conn: Any, join: dict[str, Any]) -> None:
         # against 0.67 s for SmolLM2 (allocation and page faults, here and in the caller).
         # Zeroed: what a short broadcast leaves is told from NaN by it.
         if len(buffer) < size:
-            buffer = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(size))
+            buffer = _zeroed_buffer(size, device)
         else:
             buffer[:size].zero_()
         try:
@@ -193,7 +210,10 @@ def _serve(conn: Any, join: dict[str, Any]) -> None:
         except Exception as exc:  # the trainer died, or stalled past the group's timeout
             conn.send(("lost", f"the weight broadcast broke off: {exc}"))
             return
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the caller reads it on streams of its own
         conn.send(("received", buffer))
+    leave_group(group)  # asked to leave (a hung one is killed by the parent)
 
 
 def _next_call(conn: Any) -> Any:
@@ -204,37 +224,9 @@ def _next_call(conn: Any) -> Any:
         return None
 
 
-class LocalGroup:
-    """The group in this process (nccl: CUDA tensors do not go through shared memory); a
-    broadcast longer than announced is not caught here."""
-
-    def __init__(self, device: torch.device, **join: Any) -> None:
-        self._device = device
-        self._group = join_group(**join)
-
-    def receive(
-        self,
-        metas: Sequence[TensorMeta],
-        *,
-        packed: bool,
-        buffer_size_bytes: int,
-        allow_nonfinite: bool,
-    ) -> dict[str, torch.Tensor]:
-        size = receive_nbytes(metas, packed=packed, buffer_size_bytes=buffer_size_bytes)
-        buffer = torch.zeros(size, dtype=torch.uint8, device=self._device)
-        try:
-            return receive(
-                metas,
-                self._group,
-                buffer,
-                packed=packed,
-                buffer_size_bytes=buffer_size_bytes,
-                allow_nonfinite=allow_nonfinite,
-            )
-        except ReceivedTensorError:
-            raise
-        except Exception as exc:
-            raise GroupLost(f"the weight broadcast broke off: {exc}") from exc
-
-    def close(self) -> None:
-        leave_group(self._group)
+def _zeroed_buffer(size: int, device: torch.device) -> torch.Tensor:
+    """A receive buffer the caller can map: CPU shared memory (zero-filled as created), or
+    GPU memory, which torch hands over by CUDA IPC."""
+    if device.type == "cpu":
+        return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(size))
+    return torch.zeros(size, dtype=torch.uint8, device=device)

@@ -14,7 +14,8 @@ group, in one of two ways (``join_group``'s ``group_name``):
 For each tensor of an update, in order, rank 0 broadcasts once; ``packed`` updates broadcast
 vLLM's packed chunks instead (``packed_chunks``). A receiver takes one update call into one
 buffer (``receive``), checking each broadcast came whole; ``tokenwire.group_process`` runs that
-in a child process, so a broadcast gloo aborts on ends the child only.
+in a child process, so a broadcast gloo aborts on (or NCCL's watchdog tears down) ends the
+child only.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """The hf engine's end of a trainer's weight-transfer group (see ``tokenwire.weight_transfer``).
 
 Joining and receiving run on worker threads (a rendezvous may wait for the trainer; generation
-goes on meanwhile); the group is held by ``tokenwire.group_process`` (gloo: in a child process,
-so a broadcast gloo aborts on ends the child, not the server). Each update call comes whole
-and checked into new tensors, which the engine then copies into the model between two steps:
-a call that fails leaves the model as it was (``WeightsError``), and the group is closed.
+goes on meanwhile); the group is held by ``tokenwire.group_process`` in a child process, so a
+broadcast gloo aborts on, or one NCCL's watchdog tears down, ends the child, not the server.
+Each update call comes whole and checked into new tensors, which the engine then copies into
+the model between two steps: a call that fails leaves the model as it was (``WeightsError``),
+and the group is closed.
 """
 
 from __future__ import annotations
