@@ -86,8 +86,8 @@ def main() -> None:
         inbox.put(Add(Request(f"r{i}", prompt, params, sink)))
     with torch.inference_mode():
         scheduler._drain_inbox([], block=False)
-        while scheduler.waiting:
-            scheduler._prefill_step([])
+        while scheduler.waiting and (group := scheduler._prefill_turn()):
+            scheduler._prefill_step(group, [])
         for _ in range(3):
             scheduler._decode_step([])
         parts = {"forward": 0.0, "sample": 0.0}
