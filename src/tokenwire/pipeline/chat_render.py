@@ -171,6 +171,18 @@ def _render_server_template(
         raise InvalidRequest(str(exc), "messages") from exc
 
 
+def server_generation_prompt(
+    pipeline: Pipeline, runtime: ModelRuntime, options: ChatTemplateOptions
+) -> str | None:
+    """What ``add_generation_prompt`` appends to every render of ``options``' template under
+    its kwargs, where the server's template is proven to only append it
+    (``ChatTemplate.appended_generation_prompt``); None for a request's own template."""
+    template = runtime.chat_template
+    if template is None or _request_template(pipeline, options) is not None:
+        return None
+    return template.appended_generation_prompt(**_template_kwargs(options))
+
+
 def _request_template(pipeline: Pipeline, options: ChatTemplateOptions) -> str | None:
     """The request's own template, if it sends one and the server trusts request templates."""
     source = options.chat_template or (options.chat_template_kwargs or {}).get("chat_template")
@@ -189,11 +201,7 @@ def _template_inputs(
     """Messages, tools and template kwargs as the template ``source`` gets them; ``converted``
     holds the messages made dicts already, by object, for renders of the server's template
     (no template the server trusts changes its inputs)."""
-    kwargs = {
-        key: value
-        for key, value in (options.chat_template_kwargs or {}).items()
-        if key not in RESERVED_TEMPLATE_KWARGS
-    }
+    kwargs = _template_kwargs(options)
     iterates_content = bool(_ITERATES_CONTENT.search(source))
     if converted is None:
         messages = [_message_for_template(m, iterates_content) for m in options.messages]
@@ -208,6 +216,14 @@ def _template_inputs(
         [tool.model_dump(exclude_unset=True) for tool in options.tools] if options.tools else None
     )
     return messages, tools, kwargs
+
+
+def _template_kwargs(options: ChatTemplateOptions) -> dict[str, Any]:
+    return {
+        key: value
+        for key, value in (options.chat_template_kwargs or {}).items()
+        if key not in RESERVED_TEMPLATE_KWARGS
+    }
 
 
 def _message_for_template(message: ChatMessage, iterates_content: bool) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any
 from tokenwire.media.refs import chat_media_refs
 from tokenwire.parsers import prompt_ends_in_think
 from tokenwire.parsers.think import THINK_CLOSE
-from tokenwire.pipeline.chat_render import render_template_texts
+from tokenwire.pipeline.chat_render import render_template_texts, server_generation_prompt
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.offload import run_text_work
@@ -260,19 +260,32 @@ def close_previous_turn(
 async def _renders(
     pipeline: Pipeline, runtime: ModelRuntime, body: ChatCompletionRequest, previous: Previous
 ) -> Renders:
+    """The template's texts extend compares. The history before the reply without its
+    generation prompt is the text with it less that prompt where the template is proven to
+    only append one (``server_generation_prompt``), not a render of its own; the text with it
+    is the remembered prompt's, when there is one."""
     history = previous.messages
     flags = {"add_generation_prompt": False, "continue_final_message": False}
+    before_options = body.model_copy(update={"messages": history[:-1], **flags})
     renders = [
         body.model_copy(update={"messages": [*history, *body.messages]}),  # the request's flags
-        body.model_copy(update={"messages": history[:-1], **flags}),
         body.model_copy(update={"messages": history, **flags}),
     ]
     if previous.prompt_text is None:
         prompt_flags = {**flags, "add_generation_prompt": True}
         renders.append(body.model_copy(update={"messages": history[:-1], **prompt_flags}))
+    generation_prompt = server_generation_prompt(pipeline, runtime, body)
+    if generation_prompt is None:
+        renders.append(before_options)
     texts = await render_template_texts(pipeline, runtime, renders)
-    full, before, replied = texts[:3]
-    prompt = previous.prompt_text if previous.prompt_text is not None else texts[3]
+    full, replied = texts[:2]
+    prompt = previous.prompt_text if previous.prompt_text is not None else texts[2]
+    if generation_prompt is None:
+        before = texts[-1]
+    elif prompt.endswith(generation_prompt):
+        before = prompt[: len(prompt) - len(generation_prompt)]
+    else:  # not the template's text with its generation prompt: render the history
+        (before,) = await render_template_texts(pipeline, runtime, [before_options])
     return Renders(full=full, before=before, prompt=prompt, replied=replied)
 
 
