@@ -187,10 +187,11 @@ def test_render_with_media_gives_no_handle(app: FastApp) -> None:
 
 def test_memory_keeps_the_most_recent_under_its_bound() -> None:
     owner = Owner.of(b"key", control=False)
-    memory = PromptMemory(max_bytes=3 * 36 * 1000)
 
     def prompt() -> RememberedPrompt:
-        return RememberedPrompt([7] * 1000, [], None, b"", owner)
+        return RememberedPrompt([7] * 1000, [], None, b"", owner, b"[" + b"7," * 999 + b"7]")
+
+    memory = PromptMemory(max_bytes=3 * prompt().size)
 
     handles = [memory.remember(prompt()) for _ in range(3)]
     memory.recall(handles[0], owner)  # used: the least recently used is now handles[1]

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from tokenwire.media.refs import chat_media_refs
 from tokenwire.parsers import prompt_ends_in_think
 from tokenwire.parsers.think import THINK_CLOSE
@@ -24,7 +26,7 @@ from tokenwire.pipeline.chat_render import render_template_texts, server_generat
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.offload import run_text_work
-from tokenwire.pipeline.prompt_memory import template_options
+from tokenwire.pipeline.prompt_memory import RememberedPrompt, ids_json, template_options
 from tokenwire.pipeline.render import chat_request_id, chat_request_prompt, generate_request_json
 from tokenwire.pipeline.session_store import Owner
 from tokenwire.pipeline.validation import check_token_ids
@@ -88,6 +90,8 @@ class Previous:
     reply_start: int | None = None
     # The template's text of messages[:-1] with its generation prompt, when remembered.
     prompt_text: str | None = None
+    # The remembered prompt the ids start with, when named by reference.
+    remembered: RememberedPrompt | None = None
 
 
 async def extend_chat(pipeline: Pipeline, body: ExtendRequest, owner: Owner) -> dict[str, Any]:
@@ -105,9 +109,15 @@ async def extend_chat(pipeline: Pipeline, body: ExtendRequest, owner: Owner) -> 
     response = generate_request_json(pipeline, chat_request_id(body), prompt, body)
     response.update(extended=result.extended, reason=result.reason, kept_tokens=result.kept_tokens)
     if body.return_prompt_handle or body.previous_prompt is not None:
+        # Kept, the remembered prompt leads the answer: its JSON is reused, not encoded again.
+        lead = previous.remembered
+        if lead is None or result.kept_tokens < len(lead.token_ids):
+            lead = None
+        token_ids_json = ids_json(result.token_ids, lead)
+        response["token_ids"] = orjson.Fragment(token_ids_json)
         conversation = [*previous.messages, *body.messages]
         response["prompt_handle"] = pipeline.prompt_memory.remember_render(
-            body, result.token_ids, conversation, result.full_text, owner
+            body, result.token_ids, conversation, result.full_text, owner, token_ids_json
         )
     return response
 
@@ -136,6 +146,7 @@ def _previous(
         [*remembered.messages, body.reply],
         reply_start=len(remembered.token_ids),
         prompt_text=remembered.text,
+        remembered=remembered,
     )
 
 
