@@ -25,6 +25,7 @@ from tests.test_extend import (
 )
 from tokenwire.pipeline.prompt_memory import PromptMemory, RememberedPrompt
 from tokenwire.pipeline.session_store import Owner
+from tokenwire.text.chat_template import ChatTemplate
 
 OTHER_KEY = "another-client-key"
 RENDER = "/v1/chat/completions/render"
@@ -116,6 +117,35 @@ def test_an_episode_by_reference_equals_the_full_form(app: FastApp, kwargs: dict
     past = [*tokens(app, SUNNY["content"]), IM_END, 198, 151643]
     last = episode.turn(SUNNY, past, TOKYO, keep_history=True)
     assert last["extended"] is True
+
+
+def episode_answers(app: FastApp, kwargs: dict) -> list[dict[str, Any]]:
+    episode = Episode(app, kwargs)
+    call_ids = [*tokens(app, REASONED_CALL_TEXT), IM_END]
+    return [
+        episode.turn(REASONED_CALL, call_ids, TOOL_RESULT, keep_history=True),
+        episode.turn(SUNNY, [*tokens(app, SUNNY["content"]), IM_END], TOKYO),
+        episode.turn(SUNNY, [*tokens(app, "Sunny")], TOKYO, keep_history=True),
+    ]
+
+
+@pytest.mark.parametrize("kwargs", [ON, OFF], ids=["thinking", "no-thinking"])
+def test_the_generation_prompt_proof_changes_no_answer(
+    app: FastApp, kwargs: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Qwen3's template is proven to append its generation prompt, so extend takes the history's
+    text without it from the remembered one: the same answers as rendering it (unproven), and
+    as a proof the remembered text contradicts (then it renders)."""
+    assert app.client.app.state.pipeline.ready(None).chat_template.appended_generation_prompt()
+    proven = episode_answers(app, kwargs)
+    for appended in (None, "<not what the template appends>"):
+        monkeypatch.setattr(
+            ChatTemplate, "appended_generation_prompt", lambda *_, _a=appended, **__: _a
+        )
+        answers = episode_answers(app, kwargs)
+        for fields, expected in zip(answers, proven, strict=True):
+            for field in ("token_ids", "extended", "reason", "kept_tokens"):
+                assert fields[field] == expected[field], (appended, field)
 
 
 def test_a_handle_extends_twice_into_two_branches(app: FastApp) -> None:

@@ -22,10 +22,13 @@ import orjson
 from tokenwire.media.refs import chat_media_refs
 from tokenwire.parsers import prompt_ends_in_think
 from tokenwire.parsers.think import THINK_CLOSE
-from tokenwire.pipeline.chat_render import render_template_texts, server_generation_prompt
+from tokenwire.pipeline.chat_render import (
+    render_template_texts_then,
+    server_generation_prompt,
+    server_template_text,
+)
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.errors import InvalidRequest
-from tokenwire.pipeline.offload import run_text_work
 from tokenwire.pipeline.prompt_memory import RememberedPrompt, ids_json, template_options
 from tokenwire.pipeline.render import chat_request_id, chat_request_prompt, generate_request_json
 from tokenwire.pipeline.session_store import Owner
@@ -159,13 +162,40 @@ async def extension(
     keep_history: bool,
 ) -> Extension:
     """The next prompt's ids: ``previous`` extended by ``body.messages`` (the new messages),
-    rendered with ``body``'s template options."""
-    renders = await _renders(pipeline, runtime, body, previous)
-    # Its work is comparing and encoding the renders (tools included), not only the messages.
-    size = len(renders.full)
-    return await run_text_work(
-        size, lambda: extend_ids(pipeline, runtime, body, previous, renders, keep_history)
-    )
+    rendered with ``body``'s template options.
+
+    The template renders the whole conversation and the history with the reply; the history
+    before the reply with its generation prompt is the remembered prompt's text when there is
+    one, and without it, that text less the generation prompt where the template is proven to
+    only append one (``server_generation_prompt``), else a render of its own. The comparisons
+    and encodes run in the renders' thread hop."""
+    history = previous.messages
+    flags = {"add_generation_prompt": False, "continue_final_message": False}
+    before_options = body.model_copy(update={"messages": history[:-1], **flags})
+    renders = [
+        body.model_copy(update={"messages": [*history, *body.messages]}),  # the request's flags
+        body.model_copy(update={"messages": history, **flags}),
+    ]
+    if previous.prompt_text is None:
+        prompt_flags = {**flags, "add_generation_prompt": True}
+        renders.append(body.model_copy(update={"messages": history[:-1], **prompt_flags}))
+    generation_prompt = server_generation_prompt(pipeline, runtime, body)
+    if generation_prompt is None:
+        renders.append(before_options)
+
+    def extend(texts: list[str]) -> Extension:
+        full, replied = texts[:2]
+        prompt = previous.prompt_text if previous.prompt_text is not None else texts[2]
+        if generation_prompt is None:
+            before = texts[-1]
+        elif prompt.endswith(generation_prompt):
+            before = prompt[: len(prompt) - len(generation_prompt)]
+        else:  # not the template's text with its generation prompt (a proven one: the server's)
+            before = server_template_text(runtime, before_options)
+        found = Renders(full=full, before=before, prompt=prompt, replied=replied)
+        return extend_ids(pipeline, runtime, body, previous, found, keep_history)
+
+    return await render_template_texts_then(pipeline, runtime, renders, extend)
 
 
 def extend_ids(
@@ -266,38 +296,6 @@ def close_previous_turn(
             think_close = runtime.tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
             closing = [*think_close, boundary.close_id]
     return len(ids), closing
-
-
-async def _renders(
-    pipeline: Pipeline, runtime: ModelRuntime, body: ChatCompletionRequest, previous: Previous
-) -> Renders:
-    """The template's texts extend compares. The history before the reply without its
-    generation prompt is the text with it less that prompt where the template is proven to
-    only append one (``server_generation_prompt``), not a render of its own; the text with it
-    is the remembered prompt's, when there is one."""
-    history = previous.messages
-    flags = {"add_generation_prompt": False, "continue_final_message": False}
-    before_options = body.model_copy(update={"messages": history[:-1], **flags})
-    renders = [
-        body.model_copy(update={"messages": [*history, *body.messages]}),  # the request's flags
-        body.model_copy(update={"messages": history, **flags}),
-    ]
-    if previous.prompt_text is None:
-        prompt_flags = {**flags, "add_generation_prompt": True}
-        renders.append(body.model_copy(update={"messages": history[:-1], **prompt_flags}))
-    generation_prompt = server_generation_prompt(pipeline, runtime, body)
-    if generation_prompt is None:
-        renders.append(before_options)
-    texts = await render_template_texts(pipeline, runtime, renders)
-    full, replied = texts[:2]
-    prompt = previous.prompt_text if previous.prompt_text is not None else texts[2]
-    if generation_prompt is None:
-        before = texts[-1]
-    elif prompt.endswith(generation_prompt):
-        before = prompt[: len(prompt) - len(generation_prompt)]
-    else:  # not the template's text with its generation prompt: render the history
-        (before,) = await render_template_texts(pipeline, runtime, [before_options])
-    return Renders(full=full, before=before, prompt=prompt, replied=replied)
 
 
 def _last_end_of_turn(runtime: ModelRuntime, text: str, start: int) -> tuple[str, int, int]:
