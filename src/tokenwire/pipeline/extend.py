@@ -95,6 +95,9 @@ class Previous:
     prompt_text: str | None = None
     # The remembered prompt the ids start with, when named by reference.
     remembered: RememberedPrompt | None = None
+    # ``token_ids`` is a list made for this request alone: the answer is built in it, not in
+    # a copy (68K ids: 0.1 ms).
+    owns_ids: bool = False
 
 
 async def extend_chat(pipeline: Pipeline, body: ExtendRequest, owner: Owner) -> dict[str, Any]:
@@ -150,6 +153,7 @@ def _previous(
         reply_start=len(remembered.token_ids),
         prompt_text=remembered.text,
         remembered=remembered,
+        owns_ids=True,
     )
 
 
@@ -212,7 +216,11 @@ def extend_ids(
         boundary = find_boundary(runtime, body.messages, renders)
         if boundary.differs is None or keep_history:
             kept, closing = close_previous_turn(pipeline, runtime, previous, boundary)
-            token_ids = previous.token_ids[:kept]
+            if previous.owns_ids:
+                token_ids = previous.token_ids
+                del token_ids[kept:]
+            else:
+                token_ids = previous.token_ids[:kept]
             token_ids += closing
             token_ids += boundary.suffix_ids
             reason = None if boundary.differs is None else f"{boundary.differs} (kept as sent)"
