@@ -14,14 +14,21 @@ pairs (``--words`` words each, some non-ASCII). Measured: the server's CPU per r
 The re-render's ids are checked against transformers' own ``apply_chat_template`` and the
 extends' against each other. Targets of the issue: re-render at most 16 ms, extend at most 5 ms.
 
-Usage: ``python bench/bench_extend.py [--turns 56] [--words 600] [--repeat 20] [--smoke]``.
+``--tree OTHER_CHECKOUT`` serves another checkout beside this one (its own process) and measures
+both extends on the two, alternated round by round (``--rounds``), with each round's ratio: on a
+shared machine only same-run ratios compare.
+
+Usage: ``python bench/bench_extend.py [--turns 56] [--words 600] [--repeat 20] [--tree OTHER]
+[--rounds 5] [--smoke]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import random
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +44,7 @@ WORDS = ["the", "model", "returns", "a", "tool", "call", "with", "its", "argumen
 WORDS += ["then", "réponse", "数据", "ok"]
 IM_END = 151645
 EXTEND = "/v1/chat/completions/extend"
+NEW = [{"role": "user", "content": "Next? réponse"}]
 FLAGS = ("--reasoning-parser", "qwen3", "--max-model-len", "262144")
 FLAGS += ("--max-request-bytes", str(256 * 2**20))
 
@@ -91,20 +99,36 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=56)
     parser.add_argument("--words", type=int, default=600)
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--tree", type=Path, help="another checkout, served beside (its extends)")
+    parser.add_argument("--rounds", type=int, default=5, help="alternated rounds with --tree")
     parser.add_argument("--smoke", action="store_true", help="seconds: 4 turns, 2 repeats")
     args = parser.parse_args()
     if args.smoke:
-        args.turns, args.words, args.repeat = 4, 50, 2
-    port = free_port()
+        args.turns, args.words, args.repeat, args.rounds = 4, 50, 2, 1
     root = Path(__file__).resolve().parents[1]
-    command = [sys.executable, __file__, "--serve", str(port)]
-    server = ServerProcess(command, port, env=tree_env(root))
+    trees = [root] if args.tree is None else [root, args.tree.resolve()]
+    servers = []
     try:
+        for tree in trees:
+            port = free_port()
+            command = [
+                sys.executable,
+                str(tree / "bench" / "bench_extend.py"),
+                "--serve",
+                str(port),
+            ]
+            servers.append(ServerProcess(command, port, env=tree_env(tree)))
         headers = {"Content-Type": "application/json"}
-        with httpx.Client(base_url=server.url, headers=headers, timeout=600) as client:
-            results = run(Bench(client, server.process.pid, args.repeat), args)
+        clients = [httpx.Client(base_url=s.url, headers=headers, timeout=600) for s in servers]
+        benches = [
+            Bench(c, s.process.pid, args.repeat) for c, s in zip(clients, servers, strict=True)
+        ]
+        results = run(benches[0], args)
+        if args.tree is not None:
+            compared = compare(benches, trees, args)
     finally:
-        server.stop()
+        for server in servers:
+            server.stop()
     print(
         f"conversation: {results.pop('messages')} messages, {results.pop('tokens'):,} prompt "
         f"ids, full extend body {results.pop('full body MB'):.2f} MB; server CPU per request, "
@@ -116,6 +140,46 @@ def main() -> None:
         print(f"  {name:36s} {ms:8.2f} ms")
     print(f"re-render vs cold render: {ratio(warm, cold)} (target <= 16 ms: {warm:.1f} ms)")
     print(f"extend by reference vs in full: {ratio(reference, full)} (target <= 5 ms)")
+    if args.tree is not None:
+        print(compared)
+
+
+def compare(benches: list[Bench], trees: list[Path], args: argparse.Namespace) -> str:
+    """Both extends on this tree's server and the other's, alternated round by round (which
+    goes first alternates too); per round, this tree's CPU over the other's."""
+    bodies = [extend_bodies(bench, args) for bench in benches]
+    answers = [
+        [b.post(EXTEND, body)["token_ids"] for body in pair]
+        for b, pair in zip(benches, bodies, strict=True)
+    ]
+    if any(ids != answers[0][0] for pair in answers for ids in pair):
+        sys.exit("the two trees' extends answer different ids")
+    rounds: dict[str, list[tuple[float, float]]] = {"extend by reference": [], "extend in full": []}
+    for index in range(args.rounds):
+        for kind, name in enumerate(rounds):
+            order = (0, 1) if index % 2 == 0 else (1, 0)
+            ms = {
+                i: benches[i].server_ms(EXTEND, lambda _, body=bodies[i][kind]: body, times=3)
+                for i in order
+            }
+            rounds[name].append((ms[0], ms[1]))
+    lines = [
+        f"alternated with {trees[1]} ({args.rounds} rounds of {3 * args.repeat} extends; load "
+        f"average {' '.join(f'{x:.1f}' for x in os.getloadavg())}):",
+        "| request | this tree (median) | other tree (median) | this / other per round (median) |",
+        "| --- | ---: | ---: | --- |",
+    ]
+    for name, pairs in rounds.items():
+        ours, other = [p[0] for p in pairs], [p[1] for p in pairs]
+        ratios = sorted(a / b for a, b in pairs if b)
+        spread = (
+            f"{ratios[0]:.2f}-{ratios[-1]:.2f} ({statistics.median(ratios):.2f}x)"
+            if ratios
+            else "n/a"
+        )
+        medians = f"{statistics.median(ours):.2f} ms | {statistics.median(other):.2f} ms"
+        lines.append(f"| {name} | {medians} | {spread} |")
+    return "\n".join(lines)
 
 
 def ratio(value: float, baseline: float) -> str:
@@ -130,7 +194,7 @@ def run(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
 
     hf = AutoTokenizer.from_pretrained(str(prepare("qwen3-tiny")))
     conversations = [conversation(seed, args.turns, args.words) for seed in range(args.repeat)]
-    new = [{"role": "user", "content": "Next? réponse"}]
+    new = NEW
 
     def render_body(messages: list[dict[str, Any]]) -> dict[str, Any]:
         return {"messages": messages, "max_tokens": 8, "return_prompt_handle": True}
@@ -150,21 +214,7 @@ def run(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     if rendered["token_ids"] != hf.encode(text, add_special_tokens=False):
         sys.exit("the re-render's ids differ from transformers' apply_chat_template")
 
-    # The last turn: its prompt (remembered), the reply's ids, one new message.
-    first = bench.post("/v1/chat/completions/render", render_body(messages[:-1]))
-    sampled = [*hf.encode(messages[-1]["content"], add_special_tokens=False), IM_END]
-    options = {"messages": new, "max_tokens": 8, "keep_history": True}
-    full_body = {
-        "previous_token_ids": [*first["token_ids"], *sampled],
-        "previous_messages": messages,
-        **options,
-    }
-    reference_body = {
-        "previous_prompt": first["prompt_handle"],
-        "completion_token_ids": sampled,
-        "reply": messages[-1],
-        **options,
-    }
+    reference_body, full_body = extend_bodies(bench, args)
     full_answer = bench.post("/v1/chat/completions/extend", full_body)
     reference_answer = bench.post("/v1/chat/completions/extend", reference_body)
     if not full_answer["extended"] or full_answer["token_ids"] != reference_answer["token_ids"]:
@@ -179,6 +229,33 @@ def run(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
         "extend in full": bench.server_ms(EXTEND, lambda _: full_body, times=5),
         "extend by reference": bench.server_ms(EXTEND, lambda _: reference_body, times=5),
     }
+
+
+def extend_bodies(bench: Bench, args: argparse.Namespace) -> tuple[dict[str, Any], ...]:
+    """The last turn of conversation 0 by reference and in full: its prompt (rendered on
+    ``bench``'s server, which remembers it), the reply's ids, one new message."""
+    from transformers import AutoTokenizer
+
+    from tokenwire.assets import prepare
+
+    hf = AutoTokenizer.from_pretrained(str(prepare("qwen3-tiny")))
+    messages = conversation(0, args.turns, args.words)
+    body = {"messages": messages[:-1], "max_tokens": 8, "return_prompt_handle": True}
+    first = bench.post("/v1/chat/completions/render", body)
+    sampled = [*hf.encode(messages[-1]["content"], add_special_tokens=False), IM_END]
+    options = {"messages": NEW, "max_tokens": 8, "keep_history": True}
+    reference_body = {
+        "previous_prompt": first["prompt_handle"],
+        "completion_token_ids": sampled,
+        "reply": messages[-1],
+        **options,
+    }
+    full_body = {
+        "previous_token_ids": [*first["token_ids"], *sampled],
+        "previous_messages": messages,
+        **options,
+    }
+    return reference_body, full_body
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from tokenwire.text.chat_template import (
     TemplateLimitExceeded,
     load_model_chat_template,
 )
+from tokenwire.text.chat_template.inputs import exact_builtins
 
 # Templates MiniJinja renders differently from jinja2, so a server falls back to jinja2 for them.
 # functionary v3.1 concatenates ``"..."|safe + str``: jinja2's Markup HTML-escapes the str
@@ -558,6 +559,18 @@ def test_lone_surrogate_is_refused() -> None:
     for content in ["\ud800{0.__globals__}", [{"type": "text", "text": "x\udfff"}]]:
         with pytest.raises(ChatTemplateError, match="lone surrogate"):
             template.render([{"role": "user", "content": content}])
+
+
+@pytest.mark.parametrize("hangul", [0, 5, 40, 2000])
+def test_lone_surrogate_is_found_among_hangul(hangul: int) -> None:
+    """Hangul's UTF-8 starts with the byte ED as a surrogate's does: the byte scan looks at each
+    hit's next byte, and past its first few hits hands the rest to the regex."""
+    assert len("\ud55c".encode()) == 3 and "\ud55c".encode()[0] == 0xED
+    text = "\ud55c\uae00 " * hangul
+    assert exact_builtins([{"content": text}, text, "\ud7a3"])
+    for bad in ["\ud800", "\udfff", "x\udbff"]:
+        assert not exact_builtins([{"content": text}, text + bad])
+        assert not exact_builtins([{"content": bad + text}])
 
 
 def test_tojson_matches_python_json() -> None:

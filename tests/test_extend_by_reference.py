@@ -25,6 +25,7 @@ from tests.test_extend import (
 )
 from tokenwire.pipeline.prompt_memory import PromptMemory, RememberedPrompt
 from tokenwire.pipeline.session_store import Owner
+from tokenwire.text.chat_template import ChatTemplate
 
 OTHER_KEY = "another-client-key"
 RENDER = "/v1/chat/completions/render"
@@ -118,6 +119,35 @@ def test_an_episode_by_reference_equals_the_full_form(app: FastApp, kwargs: dict
     assert last["extended"] is True
 
 
+def episode_answers(app: FastApp, kwargs: dict) -> list[dict[str, Any]]:
+    episode = Episode(app, kwargs)
+    call_ids = [*tokens(app, REASONED_CALL_TEXT), IM_END]
+    return [
+        episode.turn(REASONED_CALL, call_ids, TOOL_RESULT, keep_history=True),
+        episode.turn(SUNNY, [*tokens(app, SUNNY["content"]), IM_END], TOKYO),
+        episode.turn(SUNNY, [*tokens(app, "Sunny")], TOKYO, keep_history=True),
+    ]
+
+
+@pytest.mark.parametrize("kwargs", [ON, OFF], ids=["thinking", "no-thinking"])
+def test_the_generation_prompt_proof_changes_no_answer(
+    app: FastApp, kwargs: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Qwen3's template is proven to append its generation prompt, so extend takes the history's
+    text without it from the remembered one: the same answers as rendering it (unproven), and
+    as a proof the remembered text contradicts (then it renders)."""
+    assert app.client.app.state.pipeline.ready(None).chat_template.appended_generation_prompt()
+    proven = episode_answers(app, kwargs)
+    for appended in (None, "<not what the template appends>"):
+        monkeypatch.setattr(
+            ChatTemplate, "appended_generation_prompt", lambda *_, _a=appended, **__: _a
+        )
+        answers = episode_answers(app, kwargs)
+        for fields, expected in zip(answers, proven, strict=True):
+            for field in ("token_ids", "extended", "reason", "kept_tokens"):
+                assert fields[field] == expected[field], (appended, field)
+
+
 def test_a_handle_extends_twice_into_two_branches(app: FastApp) -> None:
     first = render(app, QUESTION, OFF)
     branches = []
@@ -187,10 +217,11 @@ def test_render_with_media_gives_no_handle(app: FastApp) -> None:
 
 def test_memory_keeps_the_most_recent_under_its_bound() -> None:
     owner = Owner.of(b"key", control=False)
-    memory = PromptMemory(max_bytes=3 * 36 * 1000)
 
     def prompt() -> RememberedPrompt:
-        return RememberedPrompt([7] * 1000, [], None, b"", owner)
+        return RememberedPrompt([7] * 1000, [], None, b"", owner, b"[" + b"7," * 999 + b"7]")
+
+    memory = PromptMemory(max_bytes=3 * prompt().size)
 
     handles = [memory.remember(prompt()) for _ in range(3)]
     memory.recall(handles[0], owner)  # used: the least recently used is now handles[1]

@@ -46,20 +46,34 @@ def token_logprobs_json(entries: Sequence[TokenLogprob], num_top: int) -> dict[s
     placeholder (renderers, AReaL) and ``token_id`` (vLLM 0.32+)."""
     width = generate_width(num_top)
     content = []
-    # The per-token hot loop of a generate answer (a stream's too): the sampled token's entry
-    # built directly, the alternatives through ``alternatives`` only when more are asked.
+    # The per-token hot loop of a generate answer (a stream's too): the sampled token's two
+    # entries written out as literals (a call and a ``{**sampled}`` per token cost twice as
+    # much: 16 tokens 20 -> 11 µs), the alternatives through ``alternatives`` only when more
+    # are asked.
     for entry in entries:
-        sampled = _placeholder(entry.token_id, entry.logprob, entry.rank)
-        top = [sampled]
+        token_id, rank = entry.token_id, entry.rank
+        token, logprob = _token_id_string(token_id), json_logprob(entry.logprob)
+        top = [
+            {"token": token, "token_id": token_id, "logprob": logprob, "rank": rank, "bytes": None}
+        ]
         if width > 1:
             top.extend(_placeholder(*alt) for alt in alternatives(entry, width)[1:])
-        content.append({**sampled, "top_logprobs": top})
+        content.append(
+            {
+                "token": token,
+                "token_id": token_id,
+                "logprob": logprob,
+                "rank": rank,
+                "bytes": None,
+                "top_logprobs": top,
+            }
+        )
     return {"content": content}
 
 
 def _placeholder(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
     return {
-        "token": f"token_id:{token_id}",
+        "token": _token_id_string(token_id),
         "token_id": token_id,
         "logprob": json_logprob(logprob),
         "rank": rank,

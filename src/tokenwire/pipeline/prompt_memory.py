@@ -44,12 +44,25 @@ class RememberedPrompt:
     text: str | None
     template_options: bytes  # what else the template read (``template_options``)
     owner: Owner
+    ids_json: bytes  # ``token_ids`` as a JSON array, as the answer that made it sent them
 
     @property
     def size(self) -> int:
         text = sys.getsizeof(self.text) if self.text is not None else 0
         # The messages hold about the text's characters once more.
-        return _BYTES_PER_ID * len(self.token_ids) + 2 * text
+        return _BYTES_PER_ID * len(self.token_ids) + 2 * text + len(self.ids_json)
+
+
+def ids_json(token_ids: Sequence[int], prefix: RememberedPrompt | None = None) -> bytes:
+    """``token_ids`` as a JSON array; where they start with ``prefix``'s ids, its JSON is
+    reused for them and only the rest is encoded (a 68K-id prompt encodes in ~0.4 ms, its copy
+    in ~0.03 ms: a long conversation's turn pays for its new ids)."""
+    if prefix is None or len(token_ids) == len(prefix.token_ids):
+        return prefix.ids_json if prefix is not None else orjson.dumps(token_ids)
+    rest = orjson.dumps(token_ids[len(prefix.token_ids) :])
+    if not prefix.token_ids:
+        return rest
+    return b"".join((prefix.ids_json[:-1], b",", rest[1:]))
 
 
 def template_options(body: ChatCompletionRequest) -> bytes:
@@ -101,15 +114,16 @@ class PromptMemory:
         messages: list[ChatMessage],
         text: str,
         owner: Owner,
+        token_ids_json: bytes,
     ) -> str | None:
-        """Remember what ``body`` rendered (``messages`` -> ``text`` -> ``token_ids``); the text
-        is kept only where it is the render extend needs of a history, the one a reply follows
-        (a generation prompt, no continued final message)."""
+        """Remember what ``body`` rendered (``messages`` -> ``text`` -> ``token_ids``, sent as
+        ``token_ids_json``); the text is kept only where it is the render extend needs of a
+        history, the one a reply follows (a generation prompt, no continued final message)."""
         follows = body.add_generation_prompt and not body.continue_final_message
         kept_text = text if follows else None
-        return self.remember(
-            RememberedPrompt(token_ids, messages, kept_text, template_options(body), owner)
-        )
+        options = template_options(body)
+        prompt = RememberedPrompt(token_ids, messages, kept_text, options, owner, token_ids_json)
+        return self.remember(prompt)
 
     def recall(self, handle: str, owner: Owner) -> RememberedPrompt:
         with self._lock:

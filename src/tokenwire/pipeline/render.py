@@ -11,12 +11,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from tokenwire.engine.base import MultiModalInput
 from tokenwire.media.refs import chat_media_refs
 from tokenwire.pipeline.chat_render import RenderedChat, render_chat
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.offload import run_text_work
+from tokenwire.pipeline.prompt_memory import ids_json
 from tokenwire.pipeline.session_store import Owner
 from tokenwire.pipeline.validation import ValidPrompt, request_prompt
 from tokenwire.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -140,8 +143,11 @@ async def render_chat_request(
         features = await asyncio.to_thread(runtime.media.features_json, rendered.media)
     response = generate_request_json(pipeline, prompt.request_id, prompt.prompt, body, features)
     if remember_for is not None:
+        # Encoded once: the answer sends what the memory keeps for the next turn's answer.
+        token_ids_json = ids_json(rendered.token_ids)
+        response["token_ids"] = orjson.Fragment(token_ids_json)
         response["prompt_handle"] = pipeline.prompt_memory.remember_render(
-            body, rendered.token_ids, body.messages, rendered.text, remember_for
+            body, rendered.token_ids, body.messages, rendered.text, remember_for, token_ids_json
         )
     return response
 

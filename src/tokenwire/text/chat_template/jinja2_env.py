@@ -20,7 +20,7 @@ from .filters import raise_exception, strftime_now, tojson
 
 def compile_jinja2(source: str) -> Callable[[dict[str, Any]], str] | None:
     try:
-        return _jinja2_environment().from_string(source).render
+        return jinja2_environment().from_string(source).render
     except Exception:
         return None
 
@@ -73,7 +73,7 @@ class _GenerationTag(jinja2.ext.Extension):
         return caller()
 
 
-def _jinja2_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+def jinja2_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     """The environment transformers renders with (trusted server templates only)."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True,

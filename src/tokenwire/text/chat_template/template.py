@@ -8,14 +8,17 @@ from typing import Any, Literal
 
 from .errors import ChatTemplateError, TemplateLimitExceeded, as_template_error, is_panic
 from .filters import FROZEN_NOW
+from .generation_prompt import appends_generation_prompt
 from .inputs import REASONING_FIELDS, chat_messages, checked_text, exact_builtins, plain
-from .jinja2_env import compile_jinja2, smoke_conversations
+from .jinja2_env import compile_jinja2, jinja2_environment, smoke_conversations
 from .minijinja_env import compile_minijinja
 
 # MiniJinja instructions one render may run. A long agentic conversation with the Qwen3 template
 # uses well under 1M; 20M is about a second of CPU, which stops runaway loops in a request template.
 DEFAULT_FUEL = 20_000_000
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+# The conversation whose two renders give the generation prompt's text (any one would do).
+_PROBE = ({"role": "user", "content": "?"},)
 
 
 _Renderer = Callable[[dict[str, Any]], str]
@@ -48,6 +51,7 @@ class ChatTemplate:
             raise ChatTemplateError("Chat template must be a string.")
         self.source = source
         self.max_chars = max_chars
+        self._appends_generation_prompt: bool | None = None  # found on first use
         self._special_tokens: dict[str, str] = {
             str(key): checked_text(str(value)) for key, value in special_tokens.items()
         }
@@ -91,6 +95,27 @@ class ChatTemplate:
             continue_final_message,
             template_kwargs,
         )
+
+    def appended_generation_prompt(self, **template_kwargs: Any) -> str | None:
+        """The text ``add_generation_prompt`` appends to every render under ``template_kwargs``
+        (any messages, tools, documents), where the template's syntax proves that it only
+        appends one (``generation_prompt``); None otherwise, or where a one-message
+        conversation does not render. Found as the difference of that conversation's renders
+        with and without the flag."""
+        if self._appends_generation_prompt is None:
+            self._appends_generation_prompt = appends_generation_prompt(
+                jinja2_environment(), self.source
+            )
+        if not self._appends_generation_prompt:
+            return None
+        probe = [dict(message) for message in _PROBE]
+        try:
+            with_prompt = self.render(probe, add_generation_prompt=True, **template_kwargs)
+            without = self.render(probe, **template_kwargs)
+        except ChatTemplateError:
+            return None
+        # Always so where the syntax proved it; checked, as it costs nothing.
+        return with_prompt[len(without) :] if with_prompt.startswith(without) else None
 
     # -- internals -------------------------------------------------------------------------
 
