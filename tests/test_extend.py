@@ -420,3 +420,63 @@ def test_large_tools_render_off_the_event_loop(
     # A small request still renders inline: a thread hop would cost more than its render.
     prompt_ids(qwen3, QUESTION, OFF)
     assert on_loop == ["render"]
+
+
+def test_long_conversation_extends_on_the_event_loop(
+    qwen3: httpx.Client, qwen3_hf_tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long conversation's extend renders and extends on the event loop: its renders cost
+    about a hundredth of encoding their text, less than a thread hop plus what a thread would
+    hold the GIL for anyway. Where it is not extendable, the full render's encode (the
+    tokenizer's work on all of it) is what goes to a worker thread, and only that."""
+    import asyncio
+
+    from tokenwire.pipeline import chat_render, offload
+    from tokenwire.pipeline import extend as extend_module
+
+    ran: list[str] = []
+
+    def spy(name: str, real: Any) -> Any:
+        def call(*args: Any) -> Any:
+            try:
+                asyncio.get_running_loop()
+                ran.append(f"{name} on the loop")
+            except RuntimeError:  # a worker thread has no running loop
+                ran.append(f"{name} in a thread")
+            return real(*args)
+
+        return call
+
+    real_hop = offload.run_abandonable
+
+    async def hop(work: Any) -> Any:
+        ran.append("hop")
+        return await real_hop(work)
+
+    real_render = chat_render._render_server_template
+    monkeypatch.setattr(chat_render, "_render_server_template", spy("render", real_render))
+    monkeypatch.setattr(extend_module, "extend_ids", spy("extend", extend_module.extend_ids))
+    monkeypatch.setattr(offload, "run_abandonable", hop)
+    words = " ".join(["the model returns a tool call réponse"] * 400)  # 15,200 characters
+    previous = [*QUESTION, *[{"role": r, "content": words} for r in ("assistant", "user") * 3]]
+    previous.append(REPLY)
+    opened = template_text(qwen3_hf_tokenizer, previous[:-1], OFF, add_generation_prompt=True)
+    previous_ids = [*encode(qwen3_hf_tokenizer, opened + "Sunny."), IM_END]
+    assert len(opened) > offload.INLINE_CHARS  # encoding it would have gone to a thread
+    body = {
+        "previous_token_ids": previous_ids,
+        "previous_messages": previous,
+        "tools": [WEATHER_TOOL],
+        "chat_template_kwargs": OFF,
+    }
+    body["messages"] = [{"role": "user", "content": "Thanks"}]
+    # Extended (then too long for this model's 4,096 ids: the answer does not matter here).
+    kept = {**body, "keep_history": True}
+    assert_error(qwen3.post(EXTEND, json=kept), 400, "maximum context")
+    assert set(ran) == {"render on the loop", "extend on the loop"}
+    ran.clear()
+    # Qwen3 renders the reply otherwise once a user message follows: without keep_history, the
+    # answer is the full render, whose encode hops.
+    assert_error(qwen3.post(EXTEND, json=body), 400, "maximum context")
+    assert set(ran[:-1]) == {"render on the loop", "extend on the loop"}
+    assert ran[-1] == "hop"

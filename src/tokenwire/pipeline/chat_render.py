@@ -21,7 +21,7 @@ from tokenwire.media.prompt import PromptMedia
 from tokenwire.media.refs import chat_media_refs
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.errors import InvalidRequest
-from tokenwire.pipeline.offload import run_text_work, text_size
+from tokenwire.pipeline.offload import render_size, run_text_work, text_size
 from tokenwire.protocol.chat import ChatMessage, TextPart
 from tokenwire.protocol.tokenize import ChatTemplateOptions
 from tokenwire.text.chat_template import (
@@ -122,13 +122,16 @@ async def render_template_texts_then(
     runtime: ModelRuntime,
     renders: list[ChatTemplateOptions],
     then: Callable[[list[str]], T],
+    then_size: int = 0,
 ) -> T:
-    """``then`` of ``render_template_texts``' texts (the CPU work a caller does on them), in
-    the same thread hop as the server template's renders: a hop costs 50-150 µs of CPU here."""
+    """``then`` of ``render_template_texts``' texts (the CPU work a caller does on them, of
+    ``then_size`` in ``run_text_work``'s units), in the same step as the server template's
+    renders: inline when small, else one thread hop for both (a hop costs 50-150 µs of CPU)."""
     source = _request_template(pipeline, renders[0])
     if source is None:
         # Every input the template reads counts (16 MB of tools render as long as 16 MB of text).
-        size = sum(text_size((o.messages, o.tools, o.chat_template_kwargs)) for o in renders)
+        size = then_size
+        size += sum(render_size((o.messages, o.tools, o.chat_template_kwargs)) for o in renders)
         # The renders' messages are the same objects (extend's histories): made dicts once.
         converted: dict[int, dict[str, Any]] = {}
         return await run_text_work(
@@ -136,7 +139,7 @@ async def render_template_texts_then(
             lambda: then([_render_server_template(runtime, o, converted) for o in renders]),
         )
     texts = [await _render_request_template(pipeline, runtime, source, o) for o in renders]
-    return await run_text_work(sum(map(len, texts)), lambda: then(texts))
+    return await run_text_work(then_size, lambda: then(texts))
 
 
 def server_template_text(runtime: ModelRuntime, options: ChatTemplateOptions) -> str:
