@@ -129,9 +129,9 @@ async def render_template_texts_then(
     renders: inline when small, else one thread hop for both (a hop costs 50-150 µs of CPU)."""
     source = _request_template(pipeline, renders[0])
     if source is None:
-        # Every input the template reads counts (16 MB of tools render as long as 16 MB of text).
-        size = then_size
-        size += sum(render_size((o.messages, o.tools, o.chat_template_kwargs)) for o in renders)
+        # Every input the template reads counts (16 MB of tools render as long as 16 MB of text);
+        # inputs that several renders share (extend's history) are walked once, counted for each.
+        size = then_size + len(renders) * render_size(_distinct_inputs(renders))
         # The renders' messages are the same objects (extend's histories): made dicts once.
         converted: dict[int, dict[str, Any]] = {}
         return await run_text_work(
@@ -140,6 +140,15 @@ async def render_template_texts_then(
         )
     texts = [await _render_request_template(pipeline, runtime, source, o) for o in renders]
     return await run_text_work(then_size, lambda: then(texts))
+
+
+def _distinct_inputs(renders: list[ChatTemplateOptions]) -> list[Any]:
+    """The messages, tools and template kwargs of ``renders``, each object once."""
+    inputs: dict[int, Any] = {}
+    for options in renders:
+        for value in (*options.messages, options.tools, options.chat_template_kwargs):
+            inputs[id(value)] = value
+    return list(inputs.values())
 
 
 def server_template_text(runtime: ModelRuntime, options: ChatTemplateOptions) -> str:

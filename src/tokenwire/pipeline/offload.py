@@ -10,7 +10,7 @@ converts to those units by what it costs against that (``render_size``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -24,10 +24,11 @@ T = TypeVar("T")
 INLINE_CHARS = 16_384
 # A chat template's render, in hundredths of a character to encode: MiniJinja writes its inputs
 # at ~3 ns a character here (tools' JSON up to ~8 ns), a hundredth of encoding one, and
-# converts and walks a message (six items as ``text_size`` counts them) in ~5 µs. A 68K-token
-# conversation of 113 messages: ~5,200 units (~1 ms), so an extend's two renders stay inline.
+# converts and walks a message (its fields set: ~4 items as ``text_size`` counts them) in ~5 µs.
+# A 68K-token conversation of 113 messages: ~4,400 units (~1 ms): an extend's two renders of
+# it stay inline.
 _RENDER_CHAR = 1
-_RENDER_ITEM = 250
+_RENDER_ITEM = 400
 
 
 async def run_text_work(size: int, work: Callable[[], T]) -> T:
@@ -48,33 +49,33 @@ def text_size(value: Any, limit: int = INLINE_CHARS) -> int:
 def render_size(value: Any, limit: int = INLINE_CHARS) -> int:
     """A chat template's render of ``value`` (messages, tools, kwargs) in ``run_text_work``'s
     units, counted as ``text_size`` counts: a render is ~1/100 of an encode per character, and
-    each item it walks weighs 2.5 characters to encode."""
+    each item it walks weighs 4 characters to encode."""
     return _size(value, limit, per_char=_RENDER_CHAR, per_item=_RENDER_ITEM)
 
 
 def _size(value: Any, limit: int, per_char: int, per_item: int) -> int:
     """Sum of ``per_char`` a character of ``value``'s strings and ``per_item`` an item (each in
-    hundredths of a unit), in units, up to just past ``limit``."""
+    hundredths of a unit; None is no item), in units, up to just past ``limit``. One stack of
+    values filled by ``list.extend`` (not a stack of iterators: 2.4x faster, ~0.1 ms for a
+    68K-token conversation's 114 messages)."""
     size = 0
     cap = limit * 100
-    pending: list[Iterator[Any]] = [iter((value,))]
-    while pending and size <= cap:
-        item = next(pending[-1], _END)
-        if item is _END:
-            pending.pop()
+    stack = [value]
+    pop, push = stack.pop, stack.extend
+    while stack and size <= cap:
+        item = pop()
+        if item is None:
             continue
         size += per_item
         if isinstance(item, str):
             size += per_char * len(item)
         elif isinstance(item, dict):
-            pending.append(iter(item.items()))
+            push(item.keys())
+            push(item.values())
         elif isinstance(item, list | tuple):
-            pending.append(iter(item))
+            push(item)
         elif isinstance(item, BaseModel):
-            pending.append(iter(item.__dict__.values()))
+            push(item.__dict__.values())
             if item.__pydantic_extra__:
-                pending.append(iter(item.__pydantic_extra__.values()))
+                push(item.__pydantic_extra__.values())
     return size // 100
-
-
-_END = object()
