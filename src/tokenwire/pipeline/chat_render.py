@@ -21,7 +21,7 @@ from tokenwire.media.prompt import PromptMedia
 from tokenwire.media.refs import chat_media_refs
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.errors import InvalidRequest
-from tokenwire.pipeline.offload import render_size, run_text_work, text_size
+from tokenwire.pipeline.offload import run_text_work, text_size
 from tokenwire.protocol.chat import ChatMessage, TextPart
 from tokenwire.protocol.tokenize import ChatTemplateOptions
 from tokenwire.text.chat_template import (
@@ -122,16 +122,13 @@ async def render_template_texts_then(
     runtime: ModelRuntime,
     renders: list[ChatTemplateOptions],
     then: Callable[[list[str]], T],
-    then_size: int = 0,
 ) -> T:
-    """``then`` of ``render_template_texts``' texts (the CPU work a caller does on them, of
-    ``then_size`` in ``run_text_work``'s units), in the same step as the server template's
-    renders: inline when small, else one thread hop for both (a hop costs 50-150 µs of CPU)."""
+    """``then`` of ``render_template_texts``' texts (the CPU work a caller does on them), in
+    the same thread hop as the server template's renders: a hop costs 50-150 µs of CPU here."""
     source = _request_template(pipeline, renders[0])
     if source is None:
-        # Every input the template reads counts (16 MB of tools render as long as 16 MB of text);
-        # inputs that several renders share (extend's history) are walked once, counted for each.
-        size = then_size + len(renders) * render_size(_distinct_inputs(renders))
+        # Every input the template reads counts (16 MB of tools render as long as 16 MB of text).
+        size = sum(text_size((o.messages, o.tools, o.chat_template_kwargs)) for o in renders)
         # The renders' messages are the same objects (extend's histories): made dicts once.
         converted: dict[int, dict[str, Any]] = {}
         return await run_text_work(
@@ -139,16 +136,7 @@ async def render_template_texts_then(
             lambda: then([_render_server_template(runtime, o, converted) for o in renders]),
         )
     texts = [await _render_request_template(pipeline, runtime, source, o) for o in renders]
-    return await run_text_work(then_size, lambda: then(texts))
-
-
-def _distinct_inputs(renders: list[ChatTemplateOptions]) -> list[Any]:
-    """The messages, tools and template kwargs of ``renders``, each object once."""
-    inputs: dict[int, Any] = {}
-    for options in renders:
-        for value in (*options.messages, options.tools, options.chat_template_kwargs):
-            inputs[id(value)] = value
-    return list(inputs.values())
+    return await run_text_work(sum(map(len, texts)), lambda: then(texts))
 
 
 def server_template_text(runtime: ModelRuntime, options: ChatTemplateOptions) -> str:

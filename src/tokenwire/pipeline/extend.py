@@ -29,7 +29,6 @@ from tokenwire.pipeline.chat_render import (
 )
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
 from tokenwire.pipeline.errors import InvalidRequest
-from tokenwire.pipeline.offload import run_text_work, text_size
 from tokenwire.pipeline.prompt_memory import RememberedPrompt, ids_json, template_options
 from tokenwire.pipeline.render import chat_request_id, chat_request_prompt, generate_request_json
 from tokenwire.pipeline.session_store import Owner
@@ -80,15 +79,6 @@ class Extension:
     full_text: str  # the template's text of the whole conversation
     # Extended with the history kept as sent: why the template's full render would differ.
     render_differs: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class FullRender:
-    """Not extended: why, and the template's text of the whole conversation, whose encode is
-    the answer (sized as the tokenizer's work: 100+ ms on a long conversation)."""
-
-    reason: str
-    text: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,8 +172,7 @@ async def extension(
     before the reply with its generation prompt is the remembered prompt's text when there is
     one, and without it, that text less the generation prompt where the template is proven to
     only append one (``server_generation_prompt``), else a render of its own. The comparisons
-    and the new part's encode run in the renders' step (inline when the renders are small); a
-    full render's encode, where extending is not exact, in its own."""
+    and encodes run in the renders' thread hop."""
     history = previous.messages
     flags = {"add_generation_prompt": False, "continue_final_message": False}
     before_options = body.model_copy(update={"messages": history[:-1], **flags})
@@ -198,7 +187,7 @@ async def extension(
     if generation_prompt is None:
         renders.append(before_options)
 
-    def extend(texts: list[str]) -> Extension | FullRender:
+    def extend(texts: list[str]) -> Extension:
         full, replied = texts[:2]
         prompt = previous.prompt_text if previous.prompt_text is not None else texts[2]
         if generation_prompt is None:
@@ -206,21 +195,11 @@ async def extension(
         elif prompt.endswith(generation_prompt):
             before = prompt[: len(prompt) - len(generation_prompt)]
         else:  # not the template's text with its generation prompt (a proven one: the server's)
-            # A render more than sized for: only where a remembered text contradicts the proof.
             before = server_template_text(runtime, before_options)
         found = Renders(full=full, before=before, prompt=prompt, replied=replied)
         return extend_ids(pipeline, runtime, body, previous, found, keep_history)
 
-    # The work after the renders: encoding what follows the reply (the new messages).
-    then_size = text_size(body.messages)
-    result = await render_template_texts_then(pipeline, runtime, renders, extend, then_size)
-    if isinstance(result, Extension):
-        return result
-    text, special = result.text, body.add_special_tokens
-    token_ids = await run_text_work(
-        len(text), lambda: runtime.tokenizer.encode(text, add_special_tokens=special)
-    )
-    return Extension(token_ids, False, f"{result.reason}; returned the full render", 0, text)
+    return await render_template_texts_then(pipeline, runtime, renders, extend)
 
 
 def extend_ids(
@@ -230,8 +209,8 @@ def extend_ids(
     previous: Previous,
     renders: Renders,
     keep_history: bool,
-) -> Extension | FullRender:
-    """The next prompt's ids where extending is exact (or asked for), else why not."""
+) -> Extension:
+    """The next prompt's ids: extended where exact (or asked to), else the full render."""
     full = renders.full
     try:
         boundary = find_boundary(runtime, body.messages, renders)
@@ -246,9 +225,11 @@ def extend_ids(
             token_ids += boundary.suffix_ids
             reason = None if boundary.differs is None else f"{boundary.differs} (kept as sent)"
             return Extension(token_ids, True, reason, kept, full, boundary.differs)
-        return FullRender(boundary.differs, full)
+        reason = boundary.differs
     except NotExtendable as exc:
-        return FullRender(str(exc), full)
+        reason = str(exc)
+    token_ids = runtime.tokenizer.encode(full, add_special_tokens=body.add_special_tokens)
+    return Extension(token_ids, False, f"{reason}; returned the full render", 0, full)
 
 
 def find_boundary(
