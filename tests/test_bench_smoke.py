@@ -31,6 +31,7 @@ MODEL_FREE = {
     "bench_extend.py",
     "bench_frontend_idle.py",
     "bench_pipeline_http.py",
+    "bench_process_ceiling.py",
     "bench_render.py",
     "bench_small_request.py",
 }
