@@ -65,6 +65,25 @@ def test_qwen3_generation_prompt_follows_enable_thinking() -> None:
     )
 
 
+def test_the_generation_prompt_is_found_once_per_kwargs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its text depends on the template kwargs alone (what the proof shows): each kwargs'
+    is rendered once, whatever order their keys come in, and kwargs that are not JSON are
+    rendered each time."""
+    template = _ours("Qwen-Qwen3-0.6B.jinja")
+    renders: list[dict] = []
+    real = template._generation_prompt
+    monkeypatch.setattr(template, "_generation_prompt", lambda k: renders.append(k) or real(k))
+    off = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    for _ in range(3):
+        assert template.appended_generation_prompt(enable_thinking=False, x=1) == off
+        assert template.appended_generation_prompt(x=1, enable_thinking=False) == off
+        assert template.appended_generation_prompt(x=1) == "<|im_start|>assistant\n"
+    assert renders == [{"enable_thinking": False, "x": 1}, {"x": 1}]
+    assert template.appended_generation_prompt(x={1: 2}) == "<|im_start|>assistant\n"
+    assert template.appended_generation_prompt(x={1: 2}) == "<|im_start|>assistant\n"
+    assert len(renders) == 4
+
+
 LAST = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
 
 

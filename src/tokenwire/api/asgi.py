@@ -30,7 +30,6 @@ import hmac
 import logging
 import re
 import time
-import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI
@@ -48,6 +47,7 @@ from tokenwire.api.deadlines import Deadlines
 from tokenwire.api.direct import NO_BODY_METHODS, DirectRoutes
 from tokenwire.api.errors import error_response
 from tokenwire.api.metrics import Metrics
+from tokenwire.ids import random_hex
 
 logger = logging.getLogger("tokenwire.api")
 
@@ -132,7 +132,7 @@ class FrontMiddleware:
                 # A route that resolved its own id (e.g. from the body) has set it already; an
                 # id is made only for a response without one.
                 if all(key.lower() != REQUEST_ID_HEADER for key, _ in headers):
-                    request_id = header(scope, REQUEST_ID_HEADER) or uuid.uuid4().hex.encode()
+                    request_id = header(scope, REQUEST_ID_HEADER) or random_hex().encode()
                     message["headers"] = [*headers, (REQUEST_ID_HEADER, request_id)]
             await send(message)
 

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from tokenwire.ids import random_hex
 
 
 def make_tool_call_id() -> str:
     """vLLM's id shape, so clients that pattern-match ids keep working."""
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+    return f"chatcmpl-tool-{random_hex()}"
 
 
 @dataclass(frozen=True, slots=True)

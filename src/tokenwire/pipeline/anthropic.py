@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 
+from tokenwire.ids import random_hex
 from tokenwire.pipeline.choice import Choice
 from tokenwire.pipeline.context import Pipeline
 from tokenwire.pipeline.dialect import (
@@ -246,7 +246,7 @@ def _image_url(block: ImageBlock) -> str:
 
 
 def new_message_id() -> str:
-    return f"msg_{uuid.uuid4().hex}"
+    return f"msg_{random_hex()}"
 
 
 def _stop_fields(choice: Choice, finish_reason: str | None) -> dict[str, Any]:

@@ -7,13 +7,13 @@ render -> generate -> derender made one by one give identical tokens.
 from __future__ import annotations
 
 import asyncio
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from tokenwire.engine.base import MultiModalInput
+from tokenwire.ids import random_hex
 from tokenwire.media.refs import chat_media_refs
 from tokenwire.pipeline.chat_render import RenderedChat, render_chat
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
@@ -82,11 +82,11 @@ def chat_request_prompt(
 
 
 def chat_request_id(body: ChatCompletionRequest) -> str:
-    return body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+    return body.request_id or f"chatcmpl-{random_hex()}"
 
 
 def completion_request_id(body: CompletionRequest) -> str:
-    return body.request_id or f"cmpl-{uuid.uuid4().hex}"
+    return body.request_id or f"cmpl-{random_hex()}"
 
 
 async def completion_prompts(

@@ -8,10 +8,10 @@ Nothing is stored: every request carries its history in ``input`` (``store: fals
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from tokenwire.ids import random_hex
 from tokenwire.parsers.think import THINK_CLOSE
 from tokenwire.pipeline.context import Pipeline
 from tokenwire.pipeline.dialect import (
@@ -186,11 +186,11 @@ def _joined(parts: list[dict[str, Any]]) -> str:
 
 
 def new_response_id() -> str:
-    return f"resp_{uuid.uuid4().hex}"
+    return f"resp_{random_hex()}"
 
 
 def _item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
+    return f"{prefix}_{random_hex()}"
 
 
 class ResponseRun:

@@ -13,12 +13,12 @@ final chunk while the first tokens still go out one by one.
 from __future__ import annotations
 
 import contextlib
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from tokenwire.engine.base import TokenLogprob
+from tokenwire.ids import random_hex
 from tokenwire.pipeline.choice import Choice, ChoiceDelta
 from tokenwire.pipeline.context import Pipeline
 from tokenwire.pipeline.decoder import PLAIN
@@ -291,7 +291,7 @@ async def start_sglang_generate(pipeline: Pipeline, body: SGLangGenerateRequest)
         raise InvalidRequest(
             "logprob_start_len must be less than the prompt's length", "logprob_start_len"
         )
-    rid = body.rid or uuid.uuid4().hex
+    rid = body.rid or random_hex()
     rids = rid if isinstance(rid, list) else [rid] * len(prompts)
     job = await start_job(
         pipeline,

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
+from tokenwire.ids import random_hex
 from tokenwire.protocol.chat import Tool
 from tokenwire.protocol.common import (
     INT64_MAX,
@@ -211,7 +211,7 @@ class ParseContext(RequestModel):
 
 
 class GenerateRequest(RequestModel):
-    request_id: str = Field(default_factory=lambda: uuid.uuid4().hex, max_length=256)
+    request_id: str = Field(default_factory=random_hex, max_length=256)
     token_ids: list[TokenId] = Field(min_length=1)
     sampling_params: SamplingParamsModel
     model: str | None = None

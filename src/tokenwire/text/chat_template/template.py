@@ -6,6 +6,8 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, Literal
 
+import orjson
+
 from .errors import ChatTemplateError, TemplateLimitExceeded, as_template_error, is_panic
 from .filters import FROZEN_NOW
 from .generation_prompt import appends_generation_prompt
@@ -19,6 +21,8 @@ DEFAULT_FUEL = 20_000_000
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 # The conversation whose two renders give the generation prompt's text (any one would do).
 _PROBE = ({"role": "user", "content": "?"},)
+# How many kwargs' generation prompts a template keeps (a request's kwargs are few in practice).
+_GENERATION_PROMPTS_KEPT = 256
 
 
 _Renderer = Callable[[dict[str, Any]], str]
@@ -52,6 +56,8 @@ class ChatTemplate:
         self.source = source
         self.max_chars = max_chars
         self._appends_generation_prompt: bool | None = None  # found on first use
+        # appended_generation_prompt's answers by template kwargs (their JSON, keys sorted).
+        self._generation_prompts: dict[bytes, str | None] = {}
         self._special_tokens: dict[str, str] = {
             str(key): checked_text(str(value)) for key, value in special_tokens.items()
         }
@@ -108,6 +114,19 @@ class ChatTemplate:
             )
         if not self._appends_generation_prompt:
             return None
+        # The text depends on the kwargs alone (what the proof shows), so it is found once per
+        # kwargs: its two renders and their inputs' checks cost ~0.2 ms, paid by every extend.
+        try:
+            key = orjson.dumps(template_kwargs, option=orjson.OPT_SORT_KEYS)
+        except TypeError:  # not JSON (no request's kwargs): found each time
+            return self._generation_prompt(template_kwargs)
+        if key not in self._generation_prompts:
+            if len(self._generation_prompts) >= _GENERATION_PROMPTS_KEPT:
+                self._generation_prompts.clear()
+            self._generation_prompts[key] = self._generation_prompt(template_kwargs)
+        return self._generation_prompts[key]
+
+    def _generation_prompt(self, template_kwargs: dict[str, Any]) -> str | None:
         probe = [dict(message) for message in _PROBE]
         try:
             with_prompt = self.render(probe, add_generation_prompt=True, **template_kwargs)
