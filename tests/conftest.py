@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import gc
 import os
 import shlex
 import socket
@@ -110,6 +112,14 @@ def end_after_last_use(request: pytest.FixtureRequest, end: Callable[[], None]) 
         EARLY_ENDS[request.fixturename] = end
 
 
+# glibc's malloc_trim, as tokenwire.engine.hf.host_memory has it (importing that package here
+# would load the hf engine into every session); None where the C library has none.
+try:
+    MALLOC_TRIM = ctypes.CDLL(None).malloc_trim
+except (OSError, AttributeError):
+    MALLOC_TRIM = None
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     try:
@@ -118,6 +128,12 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         index = TEST_INDEX.get(item.nodeid, -1)
         for name in [name for name in EARLY_ENDS if LAST_USE[name] <= index]:
             EARLY_ENDS.pop(name)()
+        if nextitem is None or nextitem.path != item.path:
+            # A module's engines, apps and models are gone: hand their heap back (make test's
+            # pytest held 0.3-0.4 GB less from its middle on, at the same modules).
+            gc.collect()
+            if MALLOC_TRIM is not None:
+                MALLOC_TRIM(0)
 
 
 # One event loop for every in-process engine call: vLLM's output handler lives on the loop of
