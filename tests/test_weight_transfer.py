@@ -43,9 +43,12 @@ def base_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def second_rl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """A second server like ``rl_server``: the fleet of the trainer test."""
-    yield from _start(tmp_path_factory, "rl-second", RL_SERVER_ARGS, api_key=API_KEY)
+def second_rl_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """A second server like ``rl_server``: the fleet of the trainer test (it ends after that
+    test, not with the module: on vLLM it is a KV cache and three processes)."""
+    yield from _start(tmp_path_factory, "rl-second", RL_SERVER_ARGS, API_KEY, request)
 
 
 @pytest.fixture
