@@ -88,11 +88,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-# Session servers end after the last test that uses them, not at the session's end: CI runs
-# make test and make test-vllm at once on 24 GiB, and servers left idle until their suite ended
-# were much of its peak. Still one server per fixture per session: none starts twice. A test's
-# fixtures are known at collection (``item.fixturenames``: what it requests, directly or through
-# other fixtures); a fixture only fetched by ``request.getfixturevalue`` is never ended early.
+# Test servers end after the last test that uses them, not at their fixture's scope end: CI
+# runs make test and make test-vllm at once on 24 GiB, and servers left idle until their suite
+# ended were much of its peak. Still one server per fixture per session: none starts twice. A
+# test's fixtures are known at collection (``item.fixturenames``: what it requests, directly or
+# through other fixtures); a fixture only fetched by ``request.getfixturevalue`` never ends early.
 LAST_USE: dict[str, int] = {}  # fixture name -> index of the last test that uses it
 TEST_INDEX: dict[str, int] = {}  # node id -> index in the session's (selected) tests
 EARLY_ENDS: dict[str, Callable[[], None]] = {}  # fixture name -> what ends its live resource
