@@ -186,6 +186,10 @@ class EngineDead(Exception):
 
     def __init__(self, reason: str) -> None:
         super().__init__(f"The engine died ({reason}); this server is exiting")
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:  # crosses the job channel as it was
+        return EngineDead, (self.reason,)
 
 
 def check_running(ready: bool, death: str | None) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from tokenwire.engine.base import EngineError
 from tokenwire.pipeline.errors import InvalidRequest
@@ -14,10 +14,37 @@ from tokenwire.pipeline.errors import InvalidRequest
 if TYPE_CHECKING:
     import numpy as np
 
-    from tokenwire.engine.base import Engine, TokenLogprob
+    from tokenwire.engine.base import (
+        AdapterVersion,
+        EngineOutput,
+        MultiModalInput,
+        SamplingParams,
+        TokenLogprob,
+    )
     from tokenwire.pipeline.choice import Choice, ChoiceDelta
 
 T = TypeVar("T")
+
+
+class ChoiceRunner(Protocol):
+    """What runs a job's choices: the engine, or in a frontend the job the core admitted
+    (``pipeline.core_link.RemoteJob``)."""
+
+    features: Collection[str]
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        media: MultiModalInput | None = None,
+        cache_salt: str | None = None,
+        *,
+        adapter: AdapterVersion | None = None,
+        final_only: bool = False,
+    ) -> AsyncIterator[EngineOutput]: ...
+
+    async def abort(self, request_id: str) -> bool: ...
 
 
 class GenerationJob:
@@ -28,7 +55,7 @@ class GenerationJob:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: ChoiceRunner,
         request_id: str,
         choices: list[Choice],
         on_end: Callable[[], None] | None = None,
@@ -38,17 +65,10 @@ class GenerationJob:
         self.choices = choices
         self._on_end = on_end
 
-    async def deltas(self, *, streamed: bool = True) -> AsyncIterator[ChoiceDelta]:
-        """Merged deltas of all choices; leaving early aborts whatever still runs.
-
-        ``streamed=False``: the caller answers only once every choice ended, so a choice the
-        pipeline need not watch on the way (no stop string to find) asks its engine for its end
-        only (``Engine.generate``'s ``final_only``)."""
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        """Merged deltas of all choices; leaving early aborts whatever still runs."""
         try:
-            runs = [
-                self._run(choice, final_only=not streamed and not choice.stops_on_text)
-                for choice in self.choices
-            ]
+            runs = [self._run(choice) for choice in self.choices]
             # Most requests have one choice: its stream as it is, one generator less per token.
             streams = runs[0] if len(runs) == 1 else merge(runs)
             async with contextlib.aclosing(streams):
@@ -65,7 +85,7 @@ class GenerationJob:
 
     async def run(self) -> list[Choice]:
         """Run every choice to its end."""
-        async for _ in self.deltas(streamed=False):
+        async for _ in self.deltas():
             pass
         return self.choices
 
@@ -104,7 +124,7 @@ class GenerationJob:
                 return value
         return None
 
-    async def _run(self, choice: Choice, *, final_only: bool) -> AsyncGenerator[ChoiceDelta, None]:
+    async def _run(self, choice: Choice) -> AsyncGenerator[ChoiceDelta, None]:
         """One choice's deltas; closing it aborts the engine request."""
         request = choice.request
         stream = self.engine.generate(
@@ -114,7 +134,7 @@ class GenerationJob:
             request.media,
             cache_salt=request.cache_salt,
             adapter=request.adapter,
-            final_only=final_only,
+            final_only=request.final_only,
         )
         try:
             async with contextlib.aclosing(stream):
