@@ -62,7 +62,10 @@ def ids_json(token_ids: Sequence[int], prefix: RememberedPrompt | None = None) -
     rest = orjson.dumps(token_ids[len(prefix.token_ids) :])
     if not prefix.token_ids:
         return rest
-    return b"".join((prefix.ids_json[:-1], b",", rest[1:]))
+    # Joined from views: a slice of the prefix's JSON would copy it once more (400 KB of fresh
+    # pages for a 68K-id prompt, which fault in at ~5 µs a page here).
+    lead = memoryview(prefix.ids_json)[:-1]
+    return b"".join((lead, b",", memoryview(rest)[1:]))
 
 
 def template_options(body: ChatCompletionRequest) -> bytes:
