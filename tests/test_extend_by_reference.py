@@ -26,7 +26,13 @@ from tests.test_extend import (
     REASONED_CALL_TEXT,
     TOOL_RESULT,
 )
-from tokenwire.pipeline.prompt_memory import ChainedIds, PromptMemory, RememberedPrompt, ids_json
+from tokenwire.pipeline.prompt_memory import (
+    ChainedIds,
+    IdsJson,
+    PromptMemory,
+    RememberedPrompt,
+    ids_json,
+)
 from tokenwire.pipeline.session_store import Owner
 from tokenwire.text.chat_template import ChatTemplate
 
@@ -222,7 +228,7 @@ def test_memory_keeps_the_most_recent_under_its_bound() -> None:
     owner = Owner.of(b"key", control=False)
 
     def prompt() -> RememberedPrompt:
-        return RememberedPrompt([7] * 1000, [], None, b"", owner, b"[" + b"7," * 999 + b"7]")
+        return RememberedPrompt([7] * 1000, [], None, b"", owner, IdsJson.of([7] * 1000))
 
     memory = PromptMemory(max_bytes=3 * prompt().size)
 
@@ -257,9 +263,10 @@ def test_chained_ids_are_the_list_they_chain() -> None:
             assert chained[start:stop:step] == flat[start:stop:step]
         size, rest = rng.randrange(len(flat) + 2), [rng.randrange(9) for _ in range(2)]
         assert chained.prefix_then(size, rest) == [*flat[:size], *rest]
-        assert orjson.loads(ids_json(chained)) == flat
+        assert orjson.loads(ids_json(chained).array()) == flat
         lead = RememberedPrompt(flat[:3], [], None, b"", owner, ids_json(flat[:3]))
-        assert orjson.loads(ids_json(chained, lead)) == flat
+        assert orjson.loads(ids_json(chained, lead).array()) == flat
+        assert orjson.loads(ids_json(chained, lead).then(rest).array()) == [*flat, *rest]
 
 
 def test_the_client_extends_by_reference_and_names_a_lost_handle(app: FastApp) -> None:

@@ -122,7 +122,7 @@ async def extend_chat(pipeline: Pipeline, body: ExtendRequest, owner: Owner) -> 
         if lead is None or result.kept_tokens < len(lead.token_ids):
             lead = None
         token_ids_json = ids_json(result.token_ids, lead)
-        answer_ids: list[int] | orjson.Fragment = orjson.Fragment(token_ids_json)
+        answer_ids: list[int] | orjson.Fragment = orjson.Fragment(token_ids_json.array())
     else:  # a list: only a prompt named by reference (remembered) gives chained ids
         assert isinstance(result.token_ids, list)
         answer_ids = result.token_ids

@@ -115,7 +115,7 @@ class RememberedPrompt:
     text: str | None
     template_options: bytes  # what else the template read (``template_options``)
     owner: Owner
-    ids_json: bytes  # ``token_ids`` as a JSON array, as the answer that made it sent them
+    ids_json: IdsJson  # ``token_ids``, as the answer that made it sent them
 
     @property
     def size(self) -> int:
@@ -125,21 +125,43 @@ class RememberedPrompt:
         return _BYTES_PER_ID * len(self.token_ids) + 2 * text + len(self.ids_json)
 
 
-def ids_json(token_ids: Sequence[int], prefix: RememberedPrompt | None = None) -> bytes:
-    """``token_ids`` as a JSON array; where they start with ``prefix``'s ids, its JSON is
-    reused for them and only the rest is encoded (a 68K-id prompt encodes in ~0.4 ms, its copy
-    in ~0.03 ms: a long conversation's turn pays for its new ids)."""
-    if prefix is not None and len(token_ids) == len(prefix.token_ids):
-        return prefix.ids_json
-    if prefix is None:  # orjson takes lists only
-        return orjson.dumps(token_ids if isinstance(token_ids, list) else list(token_ids))
-    rest = orjson.dumps(token_ids[len(prefix.token_ids) :])
-    if not prefix.token_ids:
-        return rest
-    # Joined from views: a slice of the prefix's JSON would copy it once more (400 KB for a
-    # 68K-id prompt).
-    lead = memoryview(prefix.ids_json)[:-1]
-    return b"".join((lead, b",", memoryview(rest)[1:]))
+@dataclass(frozen=True, slots=True)
+class IdsJson:
+    """Prompt ids as JSON: the runs of numbers (``b"1,2,3"``) that make the array, in order.
+    A remembered prompt's next turn shares its runs and adds one, as its ids share their lists
+    (``ChainedIds``): one array of a 68K-id history would hold another 400 KB every turn."""
+
+    runs: tuple[bytes | memoryview, ...]
+
+    @classmethod
+    def of(cls, token_ids: Sequence[int]) -> IdsJson:
+        array = orjson.dumps(token_ids if isinstance(token_ids, list) else list(token_ids))
+        return cls((memoryview(array)[1:-1],) if token_ids else ())
+
+    def then(self, token_ids: Sequence[int]) -> IdsJson:
+        """These ids, then ``token_ids``."""
+        return IdsJson((*self.runs, *IdsJson.of(token_ids).runs))
+
+    def array(self) -> bytes:
+        """The JSON array (one copy of the runs)."""
+        parts: list[bytes | memoryview] = []
+        for run in self.runs:
+            parts += (b",", run)
+        parts[:1] = [b"["]  # the first comma opens the array
+        parts.append(b"]")
+        return b"".join(parts)
+
+    def __len__(self) -> int:
+        return sum(map(len, self.runs))
+
+
+def ids_json(token_ids: Sequence[int], prefix: RememberedPrompt | None = None) -> IdsJson:
+    """``token_ids`` as JSON; where they start with ``prefix``'s ids, its JSON is reused for
+    them and only the rest is encoded (a 68K-id prompt encodes in ~0.4 ms: a long
+    conversation's turn pays for its new ids)."""
+    if prefix is None:
+        return IdsJson.of(token_ids)
+    return prefix.ids_json.then(token_ids[len(prefix.token_ids) :])
 
 
 def template_options(body: ChatCompletionRequest) -> bytes:
@@ -191,7 +213,7 @@ class PromptMemory:
         messages: list[ChatMessage],
         text: str,
         owner: Owner,
-        token_ids_json: bytes,
+        token_ids_json: IdsJson,
     ) -> str | None:
         """Remember what ``body`` rendered (``messages`` -> ``text`` -> ``token_ids``, sent as
         ``token_ids_json``); the text is kept only where it is the render extend needs of a

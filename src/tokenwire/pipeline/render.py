@@ -172,7 +172,7 @@ async def render_chat_request(
     if remember_for is not None:
         # Encoded once: the answer sends what the memory keeps for the next turn's answer.
         token_ids_json = ids_json(rendered.token_ids)
-        response["token_ids"] = orjson.Fragment(token_ids_json)
+        response["token_ids"] = orjson.Fragment(token_ids_json.array())
         response["prompt_handle"] = pipeline.prompt_memory.remember_render(
             body, rendered.token_ids, body.messages, rendered.text, remember_for, token_ids_json
         )
