@@ -245,8 +245,9 @@ def request_sampling(
     param: str,
     checked: int = 0,
 ) -> SamplingParamsModel:
-    """The generate ``sampling_params`` a request makes for its prompt ``token_ids``, checked
-    (``request_prompt``'s rules): for an answer that sends the ids, not an engine."""
+    """The generate ``sampling_params`` a request makes for its prompt ``token_ids``, the
+    prompt checked: ``request_prompt`` without its ``ValidPrompt``, for an answer that sends ids
+    it never runs (/extend's, which may be a remembered prompt's, chained)."""
     max_tokens = 1 if max_tokens == 0 else max_tokens
     max_tokens = check_prompt(runtime, token_ids, max_tokens, param=param, checked=checked)
     try:
