@@ -9,6 +9,7 @@ in the core; the frontends load only its text side.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -141,6 +142,50 @@ def test_a_lora_adapter_serves_from_every_frontend(server: Server) -> None:
         assert_error(complete(client, "not-loaded"), 404, "does not exist")
         base = complete(client, "smollm2-135m-instruct").json()
     assert base["choices"][0]["text"] != adapted[0].json()["choices"][0]["text"]
+
+
+def test_structured_outputs_and_several_choices_cross_to_the_core(server: Server) -> None:
+    """A frontend compiles the grammar (its 400s are its own) and the core runs its text."""
+    schema = {
+        "type": "object",
+        "properties": {"count": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["count"],
+        "additionalProperties": False,
+    }
+    body = {
+        "messages": [{"role": "user", "content": "A count as JSON."}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+        "n": 3,
+        "seed": 4,
+        "temperature": 1.0,
+        "max_tokens": 32,
+    }
+    answers = on_new_connections(server, 4, lambda c: c.post("/v1/chat/completions", json=body))
+    for answer in answers:
+        assert answer.status_code == 200, answer.text
+        choices = answer.json()["choices"]
+        assert len(choices) == 3
+        for choice in choices:
+            assert choice["finish_reason"] == "stop"
+            assert 0 <= json.loads(choice["message"]["content"])["count"] <= 9
+    # Seeded: every frontend's answer is the same.
+    assert len({str(a.json()["choices"]) for a in answers}) == 1
+    with server.client() as client:
+        broken = {**body, "response_format": {"type": "json_schema", "json_schema": {"name": "b"}}}
+        assert client.post("/v1/chat/completions", json=broken).status_code == 400
+
+
+def test_sglang_pause_holds_every_frontends_requests(server: Server) -> None:
+    """Held in the core, not refused: they start once generation continues."""
+    with server.client() as control:
+        assert control.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(on_new_connections, server, 4, generate)
+            time.sleep(1.0)
+            assert not held.done()
+            assert control.post("/continue_generation").status_code == 200
+            answers = held.result(60)
+    assert {answer.status_code for answer in answers} == {200}
 
 
 def test_a_session_is_one_across_frontends(server: Server) -> None:
