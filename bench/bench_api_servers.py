@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import os
 import statistics
@@ -56,26 +57,48 @@ def serve(port: int, count: int) -> None:
         GracefulServer(uvicorn_config(app, settings), app.state.pipeline, 5).run()
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process and its children, from /proc."""
-    total = 0.0
+def cpu_seconds_by_process(pid: int) -> dict[int, float]:
+    """User + system CPU of a process and its descendants, each, from /proc."""
+    seconds = {}
     pending = [pid]
     while pending:
         current = pending.pop()
         stat = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(stat[11]) + int(stat[12])) / CLOCK_TICKS
+        seconds[current] = (int(stat[11]) + int(stat[12])) / CLOCK_TICKS
         children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
         pending.extend(int(child) for child in children)
-    return total
+    return seconds
 
 
-def measure(server: ServerProcess, body: dict, requests: int, clients: int) -> tuple[float, float]:
-    """Requests/s by wall clock, and the server's CPU µs per request."""
+def core_of(pid: int) -> int | None:
+    """The process listening on the job channel (None: one process serves everything)."""
+    inodes = {
+        line.split()[6]
+        for line in Path("/proc/net/unix").read_text().splitlines()[1:]
+        if line.endswith("core-jobs.sock")
+    }
+    for child in cpu_seconds_by_process(pid):
+        for fd in Path(f"/proc/{child}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                if os.readlink(fd).removeprefix("socket:[").rstrip("]") in inodes:
+                    return child
+    return None
+
+
+def measure(
+    server: ServerProcess, body: dict, requests: int, clients: int
+) -> tuple[float, float, float]:
+    """Requests/s by wall clock, and the server's CPU µs per request: all of it, and the
+    core's share."""
     asyncio.run(load(server.url, body, clients * 4, clients))  # warm-up: connections, caches
-    cpu, began = tree_cpu_seconds(server.process.pid), time.perf_counter()
+    core = core_of(server.process.pid)
+    before, began = cpu_seconds_by_process(server.process.pid), time.perf_counter()
     asyncio.run(load(server.url, body, requests, clients))
     wall = time.perf_counter() - began
-    return requests / wall, (tree_cpu_seconds(server.process.pid) - cpu) / requests * 1e6
+    after = cpu_seconds_by_process(server.process.pid)
+    used = {pid: after[pid] - before.get(pid, 0.0) for pid in after}
+    core_us = 0.0 if core is None else used[core] / requests * 1e6
+    return requests / wall, sum(used.values()) / requests * 1e6, core_us
 
 
 def main() -> None:
@@ -100,7 +123,7 @@ def main() -> None:
             port = free_port()
             command = [sys.executable, str(HERE / "bench_api_servers.py"), "--serve", str(port)]
             servers[count] = ServerProcess([*command, str(count)], port, env=tree_env(HERE.parent))
-        results: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        results: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
         for _ in range(args.rounds):
             for name, body in chosen.items():
                 for count, server in servers.items():
@@ -110,19 +133,19 @@ def main() -> None:
         for server in servers.values():
             server.stop()
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end")
-    base = args.counts[0]
     for name in chosen:
         for count in args.counts:
-            rates = [rate for rate, _ in results[name, count]]
-            cpu = statistics.median(us for _, us in results[name, count])
-            ratios = [
-                rate / base_rate
-                for rate, (base_rate, _) in zip(rates, results[name, base], strict=True)
-            ]
+            rounds = results[name, count]
+            rates = [rate for rate, _, _ in rounds]
+            cpu = statistics.median(us for _, us, _ in rounds)
+            core = statistics.median(us for _, _, us in rounds)
+            first = results[name, args.counts[0]]
+            ratios = [rate / base[0] for rate, base in zip(rates, first, strict=True)]
+            split = f" (the core {core:.0f})" if count > 1 else ""
             print(
                 f"{name:23} N={count}: {statistics.median(rates):8.0f} requests/s "
-                f"(x{statistics.median(ratios):.2f} of N={base}, rounds "
-                f"{min(ratios):.2f}-{max(ratios):.2f}), server CPU {cpu:.0f} µs/request"
+                f"(x{statistics.median(ratios):.2f} of N={args.counts[0]}, rounds "
+                f"{min(ratios):.2f}-{max(ratios):.2f}), server CPU {cpu:.0f} µs/request{split}"
             )
 
 
