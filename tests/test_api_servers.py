@@ -31,6 +31,7 @@ GREEDY = {"temperature": 0, "max_tokens": 6}
 def server_args(adapter: Path) -> list[str]:
     return [
         *("--api-server-count", "2", "--enable-rl-control", "--max-logprobs", "-1"),
+        *("--max-held-requests", "2"),
         *("--enable-lora", "--max-lora-rank", "16", "--lora-modules", f"a0={adapter}"),
     ]
 
@@ -176,11 +177,20 @@ def test_structured_outputs_and_several_choices_cross_to_the_core(server: Server
 
 
 def test_sglang_pause_holds_every_frontends_requests(server: Server) -> None:
-    """Held in the core, not refused: they start once generation continues."""
+    """Held in the core, not refused: they start once generation continues. A held client that
+    leaves frees its place (the core holds two here)."""
+
+    def leave(client: httpx.Client) -> None:
+        body = {"token_ids": PROMPT, "sampling_params": GREEDY}
+        with pytest.raises(httpx.ReadTimeout):
+            client.post("/inference/v1/generate", json=body, timeout=0.5)
+
     with server.client() as control:
         assert control.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+        on_new_connections(server, 2, leave)
+        time.sleep(0.5)
         with ThreadPoolExecutor(1) as pool:
-            held = pool.submit(on_new_connections, server, 4, generate)
+            held = pool.submit(on_new_connections, server, 2, generate)
             time.sleep(1.0)
             assert not held.done()
             assert control.post("/continue_generation").status_code == 200

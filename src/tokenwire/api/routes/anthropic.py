@@ -51,9 +51,12 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
             )
         body = body.model_copy(update={"thread": None})
     chat = anthropic.chat_request(body, request_id=anthropic.new_message_id(), continued=continued)
-    await admitted(request, pipeline)
-    run = await start_chat_completion(
-        pipeline, chat, session=session, dialect="anthropic", continued=continued
+    run = await admitted(
+        request,
+        pipeline,
+        start_chat_completion(
+            pipeline, chat, session=session, dialect="anthropic", continued=continued
+        ),
     )
     if body.stream:
         return sse_response(anthropic.message_events(run), named=True)

@@ -31,8 +31,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     request_id = request.headers.get("x-request-id") or body.request_id
     pipeline = pipeline_of(request)
     apply_logprob_limit(pipeline, body)
-    await admitted(request, pipeline)
-    run = await generation.start_generation(pipeline, body, request_id)
+    run = await admitted(request, pipeline, generation.start_generation(pipeline, body, request_id))
     headers = {"X-Request-Id": request_id}
     if body.stream:
         return sse_response(run.chunks(), headers)

@@ -31,8 +31,9 @@ router = APIRouter(tags=["openai"])
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     pipeline = pipeline_of(request)
     apply_logprob_limit(pipeline, body)
-    await admitted(request, pipeline)
-    run = await start_chat_completion(pipeline, body, session=session_header(request))
+    run = await admitted(
+        request, pipeline, start_chat_completion(pipeline, body, session=session_header(request))
+    )
     return await _respond(run, request, stream=body.stream)
 
 
@@ -42,8 +43,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 async def completions(body: CompletionRequest, request: Request) -> Response:
     pipeline = pipeline_of(request)
     apply_logprob_limit(pipeline, body)
-    await admitted(request, pipeline)
-    run = await start_completion(pipeline, body)
+    run = await admitted(request, pipeline, start_completion(pipeline, body))
     return await _respond(run, request, stream=body.stream)
 
 

@@ -41,9 +41,12 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     history = continued.messages if continued is not None else None
     response_id = responses_api.new_response_id()
     chat = responses_api.chat_request(body, request_id=response_id, history=history)
-    await admitted(request, pipeline)
-    started = await start_chat_completion(
-        pipeline, chat, session=session, dialect="responses", continued=continued
+    started = await admitted(
+        request,
+        pipeline,
+        start_chat_completion(
+            pipeline, chat, session=session, dialect="responses", continued=continued
+        ),
     )
     run = responses_api.ResponseRun(started, body)
     if body.stream:

@@ -46,8 +46,7 @@ async def generate(body: GenerateBody, request: Request) -> Response:
     if isinstance(body, VLLMServerGenerateRequest):
         return await _vllm_server_generate(pipeline, body, request)
     apply_logprob_limit(pipeline, body)
-    await admitted(request, pipeline)
-    run = await start_sglang_generate(pipeline, body)
+    run = await admitted(request, pipeline, start_sglang_generate(pipeline, body))
     if body.stream:
         return sse_response(run.chunks())
     return OrjsonResponse(await unless_disconnected(request, run.response()))
@@ -59,8 +58,11 @@ async def _vllm_server_generate(
     """vLLM's old demo-server body on the same path (atropos' ``VLLMServer``)."""
     generate_request = as_generate_request(body)
     apply_logprob_limit(pipeline, generate_request)
-    await admitted(request, pipeline)
-    run = await start_generation(pipeline, generate_request, generate_request.request_id)
+    run = await admitted(
+        request,
+        pipeline,
+        start_generation(pipeline, generate_request, generate_request.request_id),
+    )
     generated = await unless_disconnected(request, run.response())
     return OrjsonResponse(await vllm_server_answer(pipeline, body, generated))
 
