@@ -38,20 +38,25 @@ class GenerationJob:
         self.choices = choices
         self._on_end = on_end
 
-    async def deltas(self, *, streamed: bool = True) -> AsyncIterator[ChoiceDelta]:
-        """Merged deltas of all choices; leaving early aborts whatever still runs.
+    def deltas(self, *, streamed: bool = True) -> AsyncGenerator[ChoiceDelta, None]:
+        """Merged deltas of all choices; leaving early aborts whatever still runs; ``on_end``
+        runs when they end, however they end.
 
         ``streamed=False``: the caller answers only once every choice ended, so a choice the
         pipeline need not watch on the way (no stop string to find) asks its engine for its end
         only (``Engine.generate``'s ``final_only``)."""
+        if len(self.choices) == 1:  # most requests: the choice's own stream, one layer less
+            choice = self.choices[0]
+            return self._run(choice, final_only=_final_only(choice, streamed), ends_job=True)
+        return self._merged(streamed)
+
+    async def _merged(self, streamed: bool) -> AsyncGenerator[ChoiceDelta, None]:
         try:
             runs = [
-                self._run(choice, final_only=not streamed and not choice.stops_on_text)
+                self._run(choice, final_only=_final_only(choice, streamed))
                 for choice in self.choices
             ]
-            # Most requests have one choice: its stream as it is, one generator less per token.
-            streams = runs[0] if len(runs) == 1 else merge(runs)
-            async with contextlib.aclosing(streams):
+            async with contextlib.aclosing(merge(runs)) as streams:
                 async for delta in streams:
                     yield delta
         finally:
@@ -104,19 +109,22 @@ class GenerationJob:
                 return value
         return None
 
-    async def _run(self, choice: Choice, *, final_only: bool) -> AsyncGenerator[ChoiceDelta, None]:
-        """One choice's deltas; closing it aborts the engine request."""
+    async def _run(
+        self, choice: Choice, *, final_only: bool, ends_job: bool = False
+    ) -> AsyncGenerator[ChoiceDelta, None]:
+        """One choice's deltas; closing it aborts the engine request. ``ends_job``: the job's
+        only stream, which runs ``on_end`` when it ends."""
         request = choice.request
-        stream = self.engine.generate(
-            request.engine_id,
-            request.prompt_ids,
-            request.sampling,
-            request.media,
-            cache_salt=request.cache_salt,
-            adapter=request.adapter,
-            final_only=final_only,
-        )
         try:
+            stream = self.engine.generate(
+                request.engine_id,
+                request.prompt_ids,
+                request.sampling,
+                request.media,
+                cache_salt=request.cache_salt,
+                adapter=request.adapter,
+                final_only=final_only,
+            )
             async with contextlib.aclosing(stream):
                 async for output in stream:
                     delta = choice.add(output)
@@ -125,6 +133,13 @@ class GenerationJob:
                         return
         except EngineError as exc:
             raise InvalidRequest(str(exc), "token_ids") from exc
+        finally:
+            if ends_job:
+                self.end()
+
+
+def _final_only(choice: Choice, streamed: bool) -> bool:
+    return not streamed and not choice.stops_on_text
 
 
 class JobRegistry:
