@@ -55,7 +55,8 @@ async def start_job(
     choices: list[Choice] = []
     for prompt_index, (prompt, grammar) in enumerate(zip(prompts, grammars, strict=True)):
         params = prompt.sampling
-        options = DecodeOptions.of(params)
+        # Only a decoder reads them: a request with no text to read and no stop string has none.
+        options = DecodeOptions.of(params) if parsing is not None or params.stop else None
         for sample in range(params.n):
             request = ChoiceRequest(
                 engine_request_id(request_id),
@@ -73,7 +74,7 @@ async def start_job(
                 version,
             )
             decoder = None
-            if parsing is not None or options.stop_strings:
+            if options is not None and (parsing is not None or options.stop_strings):
                 decoder = ChoiceDecoder.start(
                     runtime.decoder,
                     runtime.eos_token_ids,
