@@ -54,8 +54,8 @@ class SSEResponse(Response):
         watch = DisconnectWatch(receive)
         try:
             async with contextlib.aclosing(self.chunks):
-                start = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
-                await send(start)
+                status, headers = self.status_code, self.raw_headers
+                await send({"type": "http.response.start", "status": status, "headers": headers})
                 await self._send_events(send)
         except asyncio.CancelledError:
             if not watch.gone:
