@@ -59,13 +59,14 @@ class WeightSpans:
     spans: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, version: str, start: int, count: int) -> None:
-        if not count:
-            return
-        last = self.spans[-1] if self.spans else None
-        if last is not None and last["version"] == version and last["end"] == start:
-            last["end"] = start + count
-        else:
-            self.spans.append({"version": version, "start": start, "end": start + count})
+        spans = self.spans
+        if spans:  # most outputs extend the last span (once per streamed token)
+            last = spans[-1]
+            if last["end"] == start and last["version"] == version:
+                last["end"] = start + count
+                return
+        if count:
+            spans.append({"version": version, "start": start, "end": start + count})
 
     @property
     def latest(self) -> str | None:

@@ -203,6 +203,7 @@ class Generation:
             self.num_top = len(params.logprob_token_ids) + 1
         # vLLM's: every choice carries its routing while the engine captures it.
         self.routed = ROUTING_FEATURE in job.engine.features
+        self.output_mode = body.output_mode
 
     @property
     def request_id(self) -> str:
@@ -231,10 +232,11 @@ class Generation:
         include_usage = options is not None and options.include_usage
         continuous = options is not None and options.continuous_usage_stats
         sent_prompt_logprobs = False
+        request_id = job.request_id
         async with contextlib.aclosing(job.deltas()) as deltas:
             async for delta in deltas:
                 chunk: dict[str, Any] = {
-                    "request_id": job.request_id,
+                    "request_id": request_id,
                     "choices": [self._delta_json(delta)],
                 }
                 if not sent_prompt_logprobs and delta.choice.prompt_logprobs is not None:
@@ -269,7 +271,7 @@ class Generation:
             "finish_reason": delta.finish_reason,
             "stop_reason": delta.stop_reason,
         }
-        mode = self.body.output_mode
+        mode = self.output_mode
         if mode == "text":
             result["text"] = delta.text
         elif mode == "derender":
@@ -292,7 +294,7 @@ class Generation:
             "stop_reason": choice.stop_reason,
             "weight_versions": choice.weight_versions.spans,
         }
-        mode = self.body.output_mode
+        mode = self.output_mode
         if mode == "text":
             result["text"] = choice.text
         elif mode == "derender":
