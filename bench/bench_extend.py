@@ -18,8 +18,13 @@ extends' against each other. Targets of the issue: re-render at most 16 ms, exte
 both extends on the two, alternated round by round (``--rounds``), with each round's ratio: on a
 shared machine only same-run ratios compare.
 
+``--fill N`` first sends each server N extends by reference: a server that has run a while
+holds a full prompt memory (each turn it remembers evicts one), where a fresh one grows by
+each turn it remembers, paying for the new pages (page faults, about 1 ms a 74K-token turn
+here).
+
 Usage: ``python bench/bench_extend.py [--turns 56] [--words 600] [--repeat 20] [--tree OTHER]
-[--rounds 5] [--smoke]``.
+[--rounds 5] [--fill 300] [--smoke]``.
 """
 
 from __future__ import annotations
@@ -101,6 +106,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--tree", type=Path, help="another checkout, served beside (its extends)")
     parser.add_argument("--rounds", type=int, default=5, help="alternated rounds with --tree")
+    parser.add_argument(
+        "--fill",
+        type=int,
+        default=0,
+        help="extends by reference on each server before the alternated rounds: 300 fill the "
+        "default 1 GiB prompt memory, whose later turns evict (a long-running server)",
+    )
     parser.add_argument("--smoke", action="store_true", help="seconds: 4 turns, 2 repeats")
     args = parser.parse_args()
     if args.smoke:
@@ -154,6 +166,10 @@ def compare(benches: list[Bench], trees: list[Path], args: argparse.Namespace) -
     ]
     if any(ids != answers[0][0] for pair in answers for ids in pair):
         sys.exit("the two trees' extends answer different ids")
+    for bench, pair in zip(benches, bodies, strict=True):
+        raw = orjson.dumps(pair[0])
+        for _ in range(args.fill):
+            bench.client.post(EXTEND, content=raw).raise_for_status()
     rounds: dict[str, list[tuple[float, float]]] = {"extend by reference": [], "extend in full": []}
     for index in range(args.rounds):
         for kind, name in enumerate(rounds):
@@ -164,7 +180,8 @@ def compare(benches: list[Bench], trees: list[Path], args: argparse.Namespace) -
             }
             rounds[name].append((ms[0], ms[1]))
     lines = [
-        f"alternated with {trees[1]} ({args.rounds} rounds of {3 * args.repeat} extends; load "
+        f"alternated with {trees[1]} ({args.rounds} rounds of {3 * args.repeat} extends, after "
+        f"{args.fill} extends by reference on each; load "
         f"average {' '.join(f'{x:.1f}' for x in os.getloadavg())}):",
         "| request | this tree (median) | other tree (median) | this / other per round (median) |",
         "| --- | ---: | ---: | --- |",

@@ -21,8 +21,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
-# Not benchmarks: the shared helpers, and the bare server bench_tokenize starts.
-HELPERS = {"serverbench.py", "bare_tokenize_app.py"}
+# Not benchmarks: the shared helpers (the engine that costs nothing among them), and the bare
+# server bench_tokenize starts.
+HELPERS = {"serverbench.py", "bare_tokenize_app.py", "cheap_engine.py"}
 # Benchmarks that load no model weights (tokenizers and the fake engine only).
 MODEL_FREE = {
     "bench_big_tools.py",

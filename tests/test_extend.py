@@ -420,3 +420,37 @@ def test_large_tools_render_off_the_event_loop(
     # A small request still renders inline: a thread hop would cost more than its render.
     prompt_ids(qwen3, QUESTION, OFF)
     assert on_loop == ["render"]
+
+
+_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "A", "name": "bot", "reasoning_content": "why"},
+        {"role": "tool", "content": "22", "tool_call_id": "call-1"},
+        {"role": "assistant", "content": None, "tool_calls": [_CALL]},
+        {"role": "assistant", "tool_calls": [_CALL]},
+        {"role": "user", "content": [{"type": "text", "text": "a"}]},
+        {"role": "user", "name": None, "content": "b"},
+        {"content": "c", "role": "system"},
+    ],
+)
+def test_template_messages_are_model_dumps(message: dict[str, Any]) -> None:
+    """A message's template dict, built directly where its fields are strings, is what
+    model_dump gives (keys in its order), as every other message's is."""
+    from tokenwire.pipeline import chat_render
+    from tokenwire.protocol.chat import ChatMessage
+
+    model = ChatMessage.model_validate(message)
+    dumped = model.model_dump(exclude_unset=True)
+    built = chat_render._text_message_dump(model)
+    assert built is None or (built == dumped and list(built) == list(dumped))
+    if all(type(value) is str for value in message.values()) and "reasoning_content" not in message:
+        assert built is not None  # the direct build is taken where it can be
+    for iterates_content in (False, True):
+        data = chat_render._message_for_template(model, iterates_content)
+        if built is not None:
+            assert data == dumped and list(data) == list(dumped)

@@ -5,9 +5,12 @@ template; a handle is its credential's; what cannot be honoured is a 400 that sa
 
 from __future__ import annotations
 
+import itertools
+import random
 from collections.abc import Iterator
 from typing import Any
 
+import orjson
 import pytest
 
 from tests.chat_fixtures import WEATHER_TOOL
@@ -23,7 +26,13 @@ from tests.test_extend import (
     REASONED_CALL_TEXT,
     TOOL_RESULT,
 )
-from tokenwire.pipeline.prompt_memory import PromptMemory, RememberedPrompt
+from tokenwire.pipeline.prompt_memory import (
+    ChainedIds,
+    IdsJson,
+    PromptMemory,
+    RememberedPrompt,
+    ids_json,
+)
 from tokenwire.pipeline.session_store import Owner
 from tokenwire.text.chat_template import ChatTemplate
 
@@ -219,7 +228,7 @@ def test_memory_keeps_the_most_recent_under_its_bound() -> None:
     owner = Owner.of(b"key", control=False)
 
     def prompt() -> RememberedPrompt:
-        return RememberedPrompt([7] * 1000, [], None, b"", owner, b"[" + b"7," * 999 + b"7]")
+        return RememberedPrompt([7] * 1000, [], None, b"", owner, IdsJson.of([7] * 1000))
 
     memory = PromptMemory(max_bytes=3 * prompt().size)
 
@@ -232,6 +241,32 @@ def test_memory_keeps_the_most_recent_under_its_bound() -> None:
     with pytest.raises(Exception, match="no prompt with this handle"):
         memory.recall(handles[1], owner)
     assert PromptMemory(max_bytes=0).remember(prompt()) is None
+
+
+def test_chained_ids_are_the_list_they_chain() -> None:
+    """Every read extend makes of a remembered prompt's chained ids (index, slice, length,
+    iteration, a prefix then more, the JSON) gives what the flat list gives."""
+    rng, owner = random.Random(0), Owner.of(b"key", control=False)
+    for _ in range(500):
+        pieces = [[rng.randrange(9) for _ in range(rng.randrange(4))] for _ in range(4)]
+        flat = [token for piece in pieces for token in piece]
+        chained = ChainedIds.joined(ChainedIds(pieces[:-1]), pieces[-1])
+        assert len(chained) == len(flat) and list(chained) == flat and chained == flat
+        for index in range(-len(flat) - 1, len(flat) + 1):
+            if -len(flat) <= index < len(flat):
+                assert chained[index] == flat[index]
+            else:
+                with pytest.raises(IndexError):
+                    chained[index]
+        bounds = (None, 0, 2, -3, 5, 20)
+        for start, stop, step in itertools.product(bounds, bounds, (None, 1, 2, -1)):
+            assert chained[start:stop:step] == flat[start:stop:step]
+        size, rest = rng.randrange(len(flat) + 2), [rng.randrange(9) for _ in range(2)]
+        assert chained.prefix_then(size, rest) == [*flat[:size], *rest]
+        assert orjson.loads(ids_json(chained).array()) == flat
+        lead = RememberedPrompt(flat[:3], [], None, b"", owner, ids_json(flat[:3]))
+        assert orjson.loads(ids_json(chained, lead).array()) == flat
+        assert orjson.loads(ids_json(chained, lead).then(rest).array()) == [*flat, *rest]
 
 
 def test_the_client_extends_by_reference_and_names_a_lost_handle(app: FastApp) -> None:

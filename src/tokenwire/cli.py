@@ -51,13 +51,17 @@ def _prepare(name: str) -> int:
 
 
 def _serve(settings) -> int:
-    from tokenwire.api.app import create_app
-    from tokenwire.api.server import GracefulServer, uvicorn_config
-
     logging.basicConfig(
         level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if settings.api_server_count > 1:
+        from tokenwire.api.api_servers import serve_api_servers
+
+        return serve_api_servers(settings)
+    from tokenwire.api.app import create_app
+    from tokenwire.api.server import GracefulServer, uvicorn_config
+
     app = create_app(settings)
     config = uvicorn_config(app, settings)
     server = GracefulServer(config, app.state.pipeline, settings.shutdown_timeout_s)

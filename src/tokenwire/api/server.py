@@ -53,6 +53,7 @@ class GracefulServer(uvicorn.Server):
         self._draining = False
         self._drain_task: asyncio.Task[None] | None = None
         self.exit_code = 0  # 1 once the engine died
+        self.draining_by_signal = False
 
     async def serve(self, sockets: list | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
@@ -68,6 +69,7 @@ class GracefulServer(uvicorn.Server):
             super().handle_exit(sig, frame)
             return
         self._draining = True
+        self.draining_by_signal = True
         self._loop.call_soon_threadsafe(self._start_drain)
 
     def _start_drain(self) -> None:
@@ -311,8 +313,9 @@ def connection_cap(requested: int | None) -> int:
     return max(limit - _RESERVED_FDS, 16)
 
 
-def uvicorn_config(app: Any, settings: Settings) -> uvicorn.Config:
-    """How ``tokenwire serve`` runs ``app`` under uvicorn (tests build the same)."""
+def uvicorn_config(app: Any, settings: Settings, uds: str | None = None) -> uvicorn.Config:
+    """How ``tokenwire serve`` runs ``app`` under uvicorn (tests build the same); ``uds``: on
+    that Unix socket instead of ``--host``/``--port`` (``api.api_servers``' core)."""
     protocol = functools.partial(
         HttpProtocol,
         header_timeout_s=settings.header_read_timeout_s,
@@ -323,6 +326,7 @@ def uvicorn_config(app: Any, settings: Settings) -> uvicorn.Config:
         app,
         host=settings.host,
         port=settings.port,
+        uds=uds,
         log_level=settings.log_level,
         loop="uvloop",
         http=protocol,  # type: ignore[arg-type]

@@ -49,6 +49,8 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
     }
 )
 T = TypeVar("T")
+# ChatMessage's fields in the model's order (model_dump's).
+_MESSAGE_FIELDS = tuple(ChatMessage.model_fields)
 _ITERATES_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+(\[['\"]content['\"]\]|\.content)")
 
 
@@ -246,7 +248,9 @@ def _template_kwargs(options: ChatTemplateOptions) -> dict[str, Any]:
 
 
 def _message_for_template(message: ChatMessage, iterates_content: bool) -> dict[str, Any]:
-    data = message.model_dump(exclude_unset=True)
+    data = _text_message_dump(message)
+    if data is None:
+        data = message.model_dump(exclude_unset=True)
     content = message.content
     if content is None:
         data["content"] = ""
@@ -263,6 +267,23 @@ def _message_for_template(message: ChatMessage, iterates_content: bool) -> dict[
             with contextlib.suppress(orjson.JSONDecodeError):
                 function["arguments"] = orjson.loads(arguments)
     return data
+
+
+def _text_message_dump(message: ChatMessage) -> dict[str, Any] | None:
+    """``message.model_dump(exclude_unset=True)`` where every field it sets is a string (most
+    messages of a conversation), built here: pydantic's serializer takes ~1.5 µs a message,
+    0.17 ms of a 114-message history every extend. None for any other message."""
+    if message.__pydantic_extra__:
+        return None
+    fields = message.__pydantic_fields_set__
+    data = {}
+    for name in _MESSAGE_FIELDS:
+        if name in fields:
+            value = getattr(message, name)
+            if type(value) is not str:
+                return None
+            data[name] = value
+    return data if len(data) == len(fields) else None
 
 
 def _part_for_template(part: dict[str, Any]) -> dict[str, Any]:

@@ -50,6 +50,8 @@ class ChoiceRequest:
     prompt_only: bool = False  # the output is dropped: the prompt's logprobs are the answer
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
     adapter: AdapterVersion | None = None  # the LoRA adapter version it runs under
+    # The engine may hold its outputs until the end (``Engine.generate``'s ``final_only``).
+    final_only: bool = False
 
 
 @dataclass(slots=True)
@@ -133,12 +135,6 @@ class Choice:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def stops_on_text(self) -> bool:
-        """Whether the choice may end at a stop string: found here, above the engine, which
-        must then report every step so that the choice ends (and is aborted) where it stops."""
-        return self.decoder is not None and bool(self.decoder.options.stop_strings)
 
     @property
     def text(self) -> str:

@@ -14,6 +14,7 @@ from tokenwire.media.service import MediaService
 from tokenwire.parsers import ReasoningParser, ToolParser, get_reasoning_parser, get_tool_parser
 from tokenwire.pipeline.control import ControlPlane
 from tokenwire.pipeline.control.trainer_address import TrainerAddressPolicy
+from tokenwire.pipeline.core_link import CoreLink
 from tokenwire.pipeline.errors import NotReady, UnknownModel
 from tokenwire.pipeline.jobs import JobRegistry
 from tokenwire.pipeline.prompt_memory import PromptMemory
@@ -119,6 +120,9 @@ class Pipeline:
     # The recorded sessions (X-Session-ID); the app opens it at start.
     sessions: SessionStore | None = None
     allowed_lora_roots: tuple[Path, ...] = ()  # --allowed-lora-paths, resolved
+    # A frontend of --api-server-count: its jobs are admitted and run in the core, which owns
+    # the control plane, the jobs, sessions and remembered prompts (None: this process does).
+    core: CoreLink | None = None
     control: ControlPlane = field(init=False)
     # The prompts renders and extends remember for an extend to name.
     prompt_memory: PromptMemory = field(init=False)
@@ -149,6 +153,8 @@ class Pipeline:
     def engine_death(self) -> str | None:
         """Why the engine died (None: it has not, or it is not loaded); the engine's own
         record, read here for every route, /health, /metrics and the server's exit."""
+        if self.core is not None:  # a frontend: its link is its engine, loaded or not
+            return self.core.death
         return None if self.runtime is None else self.runtime.engine.death()
 
     def shut_down(self) -> None:
@@ -170,7 +176,14 @@ class Pipeline:
         if (
             model
             and model not in self.config.model_names
+            and self.core is None  # a frontend: the core knows the adapters
             and model not in self.control.adapters.loaded
         ):
             raise UnknownModel(model)
         return self.runtime
+
+    def adapter_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model)."""
+        if self.core is not None:
+            return model if model and model not in self.config.model_names else None
+        return self.control.adapters.name_of(model)

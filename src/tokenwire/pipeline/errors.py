@@ -25,6 +25,10 @@ class UnknownModel(PipelineError):
 
     def __init__(self, name: str) -> None:
         super().__init__(f"The model `{name}` does not exist.", "model")
+        self.name = name
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:  # crosses the job channel as it was
+        return UnknownModel, (self.name,)
 
 
 class NotFound(PipelineError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
@@ -11,10 +12,11 @@ from typing import Any
 from tokenwire.engine.base import Grammar, LogprobsMode, SamplingParams, SamplingSupport
 from tokenwire.pipeline.choice import Choice, ChoiceDelta, ChoiceRequest, engine_request_id
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
+from tokenwire.pipeline.core_channel import ChoiceSpec
 from tokenwire.pipeline.decoder import PLAIN, ChoiceDecoder, ChoiceStep, DecodeOptions, Parsing
 from tokenwire.pipeline.derender import message_json
 from tokenwire.pipeline.errors import InvalidRequest
-from tokenwire.pipeline.jobs import GenerationJob
+from tokenwire.pipeline.jobs import ChoiceRunner, GenerationJob
 from tokenwire.pipeline.logprobs import (
     prompt_logprobs_json,
     prompt_token_id_logprobs_json,
@@ -35,6 +37,7 @@ async def start_job(
     request_id: str,
     prompts: Sequence[ValidPrompt],
     *,
+    streamed: bool,
     parsing: Parsing | None = None,
     adapter: str | None = None,
     adapter_param: str = "model",
@@ -42,22 +45,38 @@ async def start_job(
     """Admit a request of checked prompts and start its choices, registered so they can be
     aborted by id until the job ends.
 
-    ``parsing``: how the route reads the choices' text (None: it reads none; stop strings are
-    still found, by a decoder made for them alone). ``adapter``: the LoRA adapter the request
+    ``streamed``: whether the route answers as the choices go; else it answers once all ended,
+    so a choice the pipeline need not watch on the way (no stop string to find) asks its engine
+    for its end only (``Engine.generate``'s ``final_only``). ``parsing``: how the route reads
+    the choices' text (None: it reads none; stop strings are still found, by a decoder made for
+    them alone). ``adapter``: the LoRA adapter the request
     names (``adapter_param`` names the field), None for the base model; the job holds its
     current version until it ends. A structured-output constraint is compiled first (a 400
     when it cannot be), before the request is admitted.
     """
     grammars = [await request_grammar(pipeline, runtime, prompt, parsing) for prompt in prompts]
     control = pipeline.control
-    control.admit()
-    version = None if adapter is None else control.adapters.acquire(adapter, adapter_param)
+    version = None
+    if pipeline.core is None:
+        control.admit()
+        if adapter is not None:
+            version = control.adapters.acquire(adapter, adapter_param)
     choices: list[Choice] = []
     for prompt_index, (prompt, grammar) in enumerate(zip(prompts, grammars, strict=True)):
         params = prompt.sampling
         # Only a decoder reads them: a request with no text to read and no stop string has none.
         options = DecodeOptions.of(params) if parsing is not None or params.stop else None
+        stop_strings = options.stop_strings if options is not None else ()
         for sample in range(params.n):
+            decoder = None
+            if options is not None and (parsing is not None or stop_strings):
+                decoder = ChoiceDecoder.start(
+                    runtime.decoder,
+                    runtime.eos_token_ids,
+                    options,
+                    parsing or PLAIN,
+                    prompt.token_ids,
+                )
             request = ChoiceRequest(
                 engine_request_id(request_id),
                 prompt.token_ids,
@@ -72,31 +91,50 @@ async def start_job(
                 prompt.prompt_only,
                 prompt.cache_salt,
                 version,
+                final_only=not streamed and not stop_strings,
             )
-            decoder = None
-            if options is not None and (parsing is not None or options.stop_strings):
-                decoder = ChoiceDecoder.start(
-                    runtime.decoder,
-                    runtime.eos_token_ids,
-                    options,
-                    parsing or PLAIN,
-                    prompt.token_ids,
-                )
             choices.append(Choice(len(choices), prompt_index, sample, request, decoder))
+
+    if pipeline.core is None:
+        runner: ChoiceRunner = runtime.engine
+        release = None if version is None else functools.partial(control.adapters.release, version)
+    else:  # a frontend: the core admits the job and runs it
+        remote = await pipeline.core.open_job(
+            request_id,
+            adapter,
+            adapter_param,
+            [choice_spec(choice.request) for choice in choices],
+        )
+        runner, release = remote, remote.close
 
     def ended() -> None:
         pipeline.jobs.remove(job)
-        if version is not None:
-            control.adapters.release(version)
+        if release is not None:
+            release()
 
-    job = GenerationJob(runtime.engine, request_id, choices, on_end=ended)
+    job = GenerationJob(runner, request_id, choices, on_end=ended)
     try:
         pipeline.jobs.add(job)
     except BaseException:
-        if version is not None:
-            control.adapters.release(version)
+        if release is not None:
+            release()
         raise
     return job
+
+
+def choice_spec(request: ChoiceRequest) -> ChoiceSpec:
+    """A choice's engine request as the job channel carries it to the core."""
+    sampling = request.sampling
+    grammar = sampling.grammar
+    return ChoiceSpec(
+        request.engine_id,
+        request.prompt_ids,
+        sampling if grammar is None else replace(sampling, grammar=None),
+        None if grammar is None else grammar.text,
+        request.media,
+        request.cache_salt,
+        request.final_only,
+    )
 
 
 async def request_grammar(
@@ -377,7 +415,8 @@ async def start_generation(
         runtime,
         request_id,
         [checked],
+        streamed=body.stream,
         parsing=parsing,
-        adapter=pipeline.control.adapters.name_of(body.model),
+        adapter=pipeline.adapter_of(body.model),
     )
     return Generation(pipeline, job, body)

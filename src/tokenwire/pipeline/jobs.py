@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from tokenwire.engine.base import EngineError
 from tokenwire.pipeline.errors import InvalidRequest
@@ -14,10 +14,37 @@ from tokenwire.pipeline.errors import InvalidRequest
 if TYPE_CHECKING:
     import numpy as np
 
-    from tokenwire.engine.base import Engine, TokenLogprob
+    from tokenwire.engine.base import (
+        AdapterVersion,
+        EngineOutput,
+        MultiModalInput,
+        SamplingParams,
+        TokenLogprob,
+    )
     from tokenwire.pipeline.choice import Choice, ChoiceDelta
 
 T = TypeVar("T")
+
+
+class ChoiceRunner(Protocol):
+    """What runs a job's choices: the engine, or in a frontend the job the core admitted
+    (``pipeline.core_link.RemoteJob``)."""
+
+    features: Collection[str]
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        media: MultiModalInput | None = None,
+        cache_salt: str | None = None,
+        *,
+        adapter: AdapterVersion | None = None,
+        final_only: bool = False,
+    ) -> AsyncIterator[EngineOutput]: ...
+
+    async def abort(self, request_id: str) -> bool: ...
 
 
 class GenerationJob:
@@ -28,7 +55,7 @@ class GenerationJob:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: ChoiceRunner,
         request_id: str,
         choices: list[Choice],
         on_end: Callable[[], None] | None = None,
@@ -38,24 +65,16 @@ class GenerationJob:
         self.choices = choices
         self._on_end = on_end
 
-    def deltas(self, *, streamed: bool = True) -> AsyncGenerator[ChoiceDelta, None]:
+    def deltas(self) -> AsyncGenerator[ChoiceDelta, None]:
         """Merged deltas of all choices; leaving early aborts whatever still runs; ``on_end``
-        runs when they end, however they end.
-
-        ``streamed=False``: the caller answers only once every choice ended, so a choice the
-        pipeline need not watch on the way (no stop string to find) asks its engine for its end
-        only (``Engine.generate``'s ``final_only``)."""
+        runs when they end, however they end."""
         if len(self.choices) == 1:  # most requests: the choice's own stream, one layer less
-            choice = self.choices[0]
-            return self._run(choice, final_only=_final_only(choice, streamed), ends_job=True)
-        return self._merged(streamed)
+            return self._run(self.choices[0], ends_job=True)
+        return self._merged()
 
-    async def _merged(self, streamed: bool) -> AsyncGenerator[ChoiceDelta, None]:
+    async def _merged(self) -> AsyncGenerator[ChoiceDelta, None]:
         try:
-            runs = [
-                self._run(choice, final_only=_final_only(choice, streamed))
-                for choice in self.choices
-            ]
+            runs = [self._run(choice) for choice in self.choices]
             async with contextlib.aclosing(merge(runs)) as streams:
                 async for delta in streams:
                     yield delta
@@ -70,7 +89,7 @@ class GenerationJob:
 
     async def run(self) -> list[Choice]:
         """Run every choice to its end."""
-        async for _ in self.deltas(streamed=False):
+        async for _ in self.deltas():
             pass
         return self.choices
 
@@ -110,7 +129,7 @@ class GenerationJob:
         return None
 
     async def _run(
-        self, choice: Choice, *, final_only: bool, ends_job: bool = False
+        self, choice: Choice, *, ends_job: bool = False
     ) -> AsyncGenerator[ChoiceDelta, None]:
         """One choice's deltas; closing it aborts the engine request. ``ends_job``: the job's
         only stream, which runs ``on_end`` when it ends."""
@@ -123,7 +142,7 @@ class GenerationJob:
                 request.media,
                 cache_salt=request.cache_salt,
                 adapter=request.adapter,
-                final_only=final_only,
+                final_only=request.final_only,
             )
             async with contextlib.aclosing(stream):
                 async for output in stream:
@@ -136,10 +155,6 @@ class GenerationJob:
         finally:
             if ends_job:
                 self.end()
-
-
-def _final_only(choice: Choice, streamed: bool) -> bool:
-    return not streamed and not choice.stops_on_text
 
 
 class JobRegistry:

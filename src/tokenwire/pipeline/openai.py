@@ -369,8 +369,9 @@ async def start_chat_completion(
         runtime,
         prompt.request_id,
         [prompt.prompt],
+        streamed=body.stream,
         parsing=parsing,
-        adapter=pipeline.control.adapters.name_of(body.model),
+        adapter=pipeline.adapter_of(body.model),
     )
     return CompletionRun(
         pipeline,
@@ -396,8 +397,9 @@ async def start_completion(pipeline: Pipeline, body: CompletionRequest) -> Compl
         runtime,
         completion_request_id(body),
         prompts,
+        streamed=body.stream,
         parsing=PLAIN,
-        adapter=pipeline.control.adapters.name_of(body.model),
+        adapter=pipeline.adapter_of(body.model),
     )
     answer = dataclasses.replace(AnswerOptions.of(body, body.logprobs), routed_experts_start=start)
     if body.echo:

@@ -7,6 +7,7 @@ render -> generate -> derender made one by one give identical tokens.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,8 @@ from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.pipeline.offload import run_text_work
 from tokenwire.pipeline.prompt_memory import ids_json
 from tokenwire.pipeline.session_store import Owner
-from tokenwire.pipeline.validation import ValidPrompt, request_prompt
+from tokenwire.pipeline.validation import ValidPrompt, request_prompt, request_sampling
+from tokenwire.protocol.generate import SamplingParamsModel
 from tokenwire.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 
@@ -77,6 +79,29 @@ def chat_request_prompt(
         logprobs=logprobs if logprobs is not None or not record else 0,
         param=param,
         media=media,
+        checked=checked,
+    )
+
+
+def chat_request_sampling(
+    pipeline: Pipeline,
+    runtime: ModelRuntime,
+    body: ChatCompletionRequest,
+    token_ids: Sequence[int],
+    *,
+    param: str,
+    checked: int = 0,
+) -> SamplingParamsModel:
+    """``chat_request_prompt``'s sampling params, for an answer that sends the ids (which may
+    be a remembered prompt's, chained) rather than run them."""
+    return request_sampling(
+        pipeline.config,
+        runtime,
+        body,
+        token_ids,
+        max_tokens=body.requested_max_tokens,
+        logprobs=body.num_logprobs,
+        param=param,
         checked=checked,
     )
 
@@ -141,11 +166,13 @@ async def render_chat_request(
     if rendered.media is not None:
         # Serialising pixel tensors is CPU work of milliseconds: off the event loop.
         features = await asyncio.to_thread(runtime.media.features_json, rendered.media)
-    response = generate_request_json(pipeline, prompt.request_id, prompt.prompt, body, features)
+    response = generate_request_json(
+        pipeline, prompt.request_id, prompt.prompt.token_ids, prompt.prompt.sampling, body, features
+    )
     if remember_for is not None:
         # Encoded once: the answer sends what the memory keeps for the next turn's answer.
         token_ids_json = ids_json(rendered.token_ids)
-        response["token_ids"] = orjson.Fragment(token_ids_json)
+        response["token_ids"] = orjson.Fragment(token_ids_json.array())
         response["prompt_handle"] = pipeline.prompt_memory.remember_render(
             body, rendered.token_ids, body.messages, rendered.text, remember_for, token_ids_json
         )
@@ -162,7 +189,11 @@ async def render_completion_request(
     base_id = completion_request_id(body)
     return [
         generate_request_json(
-            pipeline, base_id if len(prompts) == 1 else f"{base_id}-{i}", prompt, body
+            pipeline,
+            base_id if len(prompts) == 1 else f"{base_id}-{i}",
+            prompt.token_ids,
+            prompt.sampling,
+            body,
         )
         for i, prompt in enumerate(prompts)
     ]
@@ -171,15 +202,17 @@ async def render_completion_request(
 def generate_request_json(
     pipeline: Pipeline,
     request_id: str,
-    prompt: ValidPrompt,
+    token_ids: list[int] | orjson.Fragment,
+    sampling: SamplingParamsModel,
     body: SamplingFields,
     features: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """A GenerateRequest for ``token_ids`` (their JSON, where a caller has it)."""
     return {
         "request_id": request_id,
-        "token_ids": prompt.token_ids,
+        "token_ids": token_ids,
         "features": features,
-        "sampling_params": prompt.sampling.model_dump(exclude_none=True, exclude_defaults=False),
+        "sampling_params": sampling.model_dump(exclude_none=True, exclude_defaults=False),
         "model": pipeline.config.served_name,
         "stream": body.stream,
         "stream_options": body.stream_options.model_dump() if body.stream_options else None,

@@ -157,6 +157,7 @@ async def session_prompt(
         # Extend keeps the previous ids up to the reply's end-of-turn; a turn that sampled past
         # it (ignore_eos) is not a prefix of the next prompt, so it cannot share its segment.
         if extended.extended and extended.token_ids[: len(previous)] == previous:
+            assert isinstance(extended.token_ids, list)  # extended from a list: a list
             # The recorded ids were checked when their turn ran.
             ids = chat_request_prompt(
                 pipeline,

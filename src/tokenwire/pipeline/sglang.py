@@ -75,7 +75,7 @@ class SGLangRun:
 
     async def response(self) -> dict[str, Any] | list[dict[str, Any]]:
         try:
-            async for delta in self.job.deltas(streamed=False):
+            async for delta in self.job.deltas():
                 self._add(delta)
         finally:
             self.job.end()
@@ -299,6 +299,7 @@ async def start_sglang_generate(pipeline: Pipeline, body: SGLangGenerateRequest)
         rids[0],
         prompts,
         parsing=PLAIN,
+        streamed=body.stream,
         adapter=_adapter(body),
         adapter_param="lora_path",
     )

@@ -220,15 +220,42 @@ def request_prompt(
     ``max_tokens`` 0 (an echo of the prompt alone) runs one step whose token is dropped.
     ``checked``: how many leading ids were checked already.
     """
+    sampling = request_sampling(
+        config,
+        runtime,
+        body,
+        token_ids,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        param=param,
+        checked=checked,
+    )
     prompt_only = max_tokens == 0
-    max_tokens = 1 if prompt_only else max_tokens
+    return ValidPrompt(token_ids, sampling, media, prompt_only, cache_salt=body.cache_salt)
+
+
+def request_sampling(
+    config: ServingConfig,
+    runtime: ModelRuntime,
+    body: SamplingFields,
+    token_ids: Sequence[int],
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    param: str,
+    checked: int = 0,
+) -> SamplingParamsModel:
+    """The generate ``sampling_params`` a request makes for its prompt ``token_ids``, the
+    prompt checked: ``request_prompt`` without its ``ValidPrompt``, for an answer that sends ids
+    it never runs (/extend's, which may be a remembered prompt's, chained)."""
+    max_tokens = 1 if max_tokens == 0 else max_tokens
     max_tokens = check_prompt(runtime, token_ids, max_tokens, param=param, checked=checked)
     try:
         sampling = body.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from exc
     check_n(config, sampling.n)
-    return ValidPrompt(token_ids, sampling, media, prompt_only, cache_salt=body.cache_salt)
+    return sampling
 
 
 def logprob_columns(content: list[Any], token_ids: Sequence[int], where: str) -> LogprobInput:

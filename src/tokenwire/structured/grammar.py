@@ -23,7 +23,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -259,7 +259,15 @@ class GrammarCompiler:
     async def compile(self, constraint: Constraint) -> CompiledGrammar:
         """The compiled ``constraint``, from the cache or the worker; ``GrammarError`` when
         llguidance refuses it or it takes longer than ``timeout_s``."""
-        key = constraint.key
+        return await self._cached(constraint.key, self.compile_now, constraint)
+
+    async def compile_grammar(self, text: str) -> CompiledGrammar:
+        """``compile`` for a grammar another process made (``CompiledGrammar.text``)."""
+        return await self._cached(("text", text), self.compile_text, text)
+
+    async def _cached(
+        self, key: tuple[Any, ...], job: Callable[[Any], CompiledGrammar], arg: Any
+    ) -> CompiledGrammar:
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)
@@ -268,7 +276,7 @@ class GrammarCompiler:
         if future is None:
             loop = asyncio.get_running_loop()
             future = asyncio.ensure_future(
-                asyncio.wrap_future(self._pool.submit(self.compile_now, constraint), loop=loop)
+                asyncio.wrap_future(self._pool.submit(job, arg), loop=loop)
             )
             self._inflight[key] = future
             future.add_done_callback(lambda f: self._landed(key, f))

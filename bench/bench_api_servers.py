@@ -1,0 +1,153 @@
+"""``--api-server-count N``: requests/s against N on the engine that costs nothing (issue 33,
+item 4).
+
+One tokenwire per N (N=1 is the one process ``tokenwire serve`` runs; N>1 is N frontends and
+a core), each over ``cheap_engine.CheapEngine`` in its core, all started at once and loaded in
+turn, round by round. The load is ``bench_small_request``'s raw HTTP/1.1 client in this process,
+so the client shares the cores with the server: on a machine of few cores the client's own CPU
+caps what any N can show (``bench_process_ceiling`` measures that ceiling). Reported per N and
+workload: requests/s by wall clock (median of the rounds, and its ratio to N=1 round by round)
+and the server's CPU per request, summed over its processes from /proc.
+
+Usage: ``python bench/bench_api_servers.py [--counts 1 2] [--rounds 3] [--requests 4000]
+[--smoke]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_small_request import load, workloads
+from serverbench import CLOCK_TICKS, ServerProcess, free_port, tree_env
+
+HERE = Path(__file__).resolve().parent
+
+
+def serve(port: int, count: int) -> None:
+    """Serve the default model's weightless view over the cheap engine with ``count`` API
+    server processes; until killed."""
+    from cheap_engine import CheapEngine
+
+    from tests.fast_app import weightless_view
+    from tokenwire.api.api_servers import serve_api_servers
+    from tokenwire.api.app import create_app
+    from tokenwire.api.server import GracefulServer, uvicorn_config
+    from tokenwire.assets import prepare
+    from tokenwire.settings import DEFAULT_MODEL, parse_serve_args
+
+    with tempfile.TemporaryDirectory() as tmp:
+        view = weightless_view(prepare(DEFAULT_MODEL), Path(tmp))
+        argv = ["--model", str(view), "--port", str(port), "--log-level", "warning"]
+        argv += ["--session-store", str(Path(tmp) / "sessions.sqlite3")]
+        settings = parse_serve_args([*argv, "--api-server-count", str(count)])
+        make_engine = functools.partial(CheapEngine.for_model, view)
+        if count > 1:
+            serve_api_servers(settings, make_engine)
+            return
+        app = create_app(settings, make_engine())
+        GracefulServer(uvicorn_config(app, settings), app.state.pipeline, 5).run()
+
+
+def cpu_seconds_by_process(pid: int) -> dict[int, float]:
+    """User + system CPU of a process and its descendants, each, from /proc."""
+    seconds = {}
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        stat = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+        seconds[current] = (int(stat[11]) + int(stat[12])) / CLOCK_TICKS
+        children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
+        pending.extend(int(child) for child in children)
+    return seconds
+
+
+def core_of(pid: int) -> int | None:
+    """The process listening on the job channel (None: one process serves everything)."""
+    inodes = {
+        line.split()[6]
+        for line in Path("/proc/net/unix").read_text().splitlines()[1:]
+        if line.endswith("core-jobs.sock")
+    }
+    for child in cpu_seconds_by_process(pid):
+        for fd in Path(f"/proc/{child}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                if os.readlink(fd).removeprefix("socket:[").rstrip("]") in inodes:
+                    return child
+    return None
+
+
+def measure(
+    server: ServerProcess, body: dict, requests: int, clients: int
+) -> tuple[float, float, float]:
+    """Requests/s by wall clock, and the server's CPU µs per request: all of it, and the
+    core's share."""
+    asyncio.run(load(server.url, body, clients * 4, clients))  # warm-up: connections, caches
+    core = core_of(server.process.pid)
+    before, began = cpu_seconds_by_process(server.process.pid), time.perf_counter()
+    asyncio.run(load(server.url, body, requests, clients))
+    wall = time.perf_counter() - began
+    after = cpu_seconds_by_process(server.process.pid)
+    used = {pid: after[pid] - before.get(pid, 0.0) for pid in after}
+    core_us = 0.0 if core is None else used[core] / requests * 1e6
+    return requests / wall, sum(used.values()) / requests * 1e6, core_us
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--serve", nargs=2, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--counts", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=4000)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: does it run")
+    args = parser.parse_args()
+    if args.serve:
+        serve(*args.serve)
+        return
+    if args.smoke:
+        args.rounds, args.requests, args.clients = 1, 32, 4
+    bodies = workloads(16)
+    chosen = {name: bodies[name] for name in ("generate 16", "generate 16, logprobs 1")}
+    servers = {}
+    try:
+        for count in args.counts:
+            port = free_port()
+            command = [sys.executable, str(HERE / "bench_api_servers.py"), "--serve", str(port)]
+            servers[count] = ServerProcess([*command, str(count)], port, env=tree_env(HERE.parent))
+        results: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+        for _ in range(args.rounds):
+            for name, body in chosen.items():
+                for count, server in servers.items():
+                    result = measure(server, body, args.requests, args.clients)
+                    results.setdefault((name, count), []).append(result)
+    finally:
+        for server in servers.values():
+            server.stop()
+    print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end")
+    for name in chosen:
+        for count in args.counts:
+            rounds = results[name, count]
+            rates = [rate for rate, _, _ in rounds]
+            cpu = statistics.median(us for _, us, _ in rounds)
+            core = statistics.median(us for _, _, us in rounds)
+            first = results[name, args.counts[0]]
+            ratios = [rate / base[0] for rate, base in zip(rates, first, strict=True)]
+            split = f" (the core {core:.0f})" if count > 1 else ""
+            print(
+                f"{name:23} N={count}: {statistics.median(rates):8.0f} requests/s "
+                f"(x{statistics.median(ratios):.2f} of N={args.counts[0]}, rounds "
+                f"{min(ratios):.2f}-{max(ratios):.2f}), server CPU {cpu:.0f} µs/request{split}"
+            )
+
+
+if __name__ == "__main__":
+    main()

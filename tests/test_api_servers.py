@@ -1,0 +1,285 @@
+"""``--api-server-count 2``: two frontend processes on one port and one core, over HTTP.
+
+A fleet's view of one server: requests land on either frontend (each connection is accepted by
+whichever process is free), and every answer must be what one process gives. Pause, a weight
+reload, a LoRA adapter, a session, an abort by id and a client that leaves each cross from one
+frontend to the core and reach every other frontend's requests. The real model (SmolLM2) runs
+in the core; the frontends load only its text side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import API_KEY, Server, assert_error
+
+PROMPT = [504, 3458, 282, 4649, 314, 260]
+GREEDY = {"temperature": 0, "max_tokens": 6}
+
+
+def server_args(adapter: Path) -> list[str]:
+    return [
+        *("--api-server-count", "2", "--enable-rl-control", "--max-logprobs", "-1"),
+        *("--enable-lora", "--max-lora-rank", "16", "--lora-modules", f"a0={adapter}"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, lora_adapters: list[Path]) -> Iterator[Server]:
+    started = Server(
+        server_args(lora_adapters[0]),
+        tmp_path_factory.mktemp("api-servers") / "server.log",
+        api_key=API_KEY,
+    )
+    try:
+        started.wait_ready()
+        yield started
+    finally:
+        started.stop()
+
+
+def fresh(server: Server) -> httpx.Client:
+    """A client on a connection of its own, which either frontend may accept."""
+    return server.client(limits=httpx.Limits(max_keepalive_connections=0))
+
+
+def children(pid: int) -> list[int]:
+    """The server's processes (not multiprocessing's resource tracker)."""
+    pids = [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return [p for p in pids if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def core_pid(server: Server) -> int:
+    """The child listening on the job channel's socket."""
+    inodes = {
+        line.split()[6]
+        for line in Path("/proc/net/unix").read_text().splitlines()[1:]
+        if line.endswith("core-jobs.sock")
+    }
+    for pid in children(server.process.pid):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            link = os.readlink(fd)
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                return pid
+    raise AssertionError("no child listens on the job channel")
+
+
+def generate(client: httpx.Client, **fields: object) -> httpx.Response:
+    body = {"token_ids": PROMPT, "sampling_params": {**GREEDY, **fields.pop("sampling", {})}}
+    return client.post("/inference/v1/generate", json={**body, **fields})
+
+
+def on_new_connections(server: Server, count: int, call) -> list:
+    def one(_: int):
+        with fresh(server) as client:
+            return call(client)
+
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(one, range(count)))
+
+
+def test_every_process_serves_and_the_answers_agree(server: Server) -> None:
+    pids = children(server.process.pid)
+    assert len(pids) == 3, "the core and two frontends"
+    before = {pid: cpu_ticks(pid) for pid in pids}
+    answers = on_new_connections(server, 96, lambda c: generate(c, logprobs=1).json())
+    tokens = {tuple(a["choices"][0]["token_ids"]) for a in answers}
+    logprobs = {str(a["choices"][0]["logprobs"]) for a in answers}
+    assert len(tokens) == 1 and len(logprobs) == 1, "every frontend answers as one process"
+    assert all(cpu_ticks(pid) > before[pid] for pid in pids), "each process did some of it"
+    # The frontends counted them; the core's /metrics sums every process's counts.
+    with server.client() as client:
+        metrics = client.get("/metrics").text
+    served = re.findall(
+        r'tokenwire_requests_total\{method="POST",route="/inference/v1/generate",'
+        r'status="200"\} (\S+)',
+        metrics,
+    )
+    assert served and float(served[0]) >= 96
+    assert "tokenwire_engine_running_requests" in metrics
+
+
+def test_pause_and_a_weight_reload_reach_every_frontend(server: Server, smol_dir: Path) -> None:
+    with server.client() as control:
+        assert control.post("/pause").status_code == 200
+        refused = on_new_connections(server, 8, lambda c: generate(c))
+        assert {r.status_code for r in refused} == {503}
+        assert "paused" in refused[0].json()["error"]["message"]
+        reloaded = control.post(
+            "/update_weights", json={"weight_dir": str(smol_dir), "weight_version": "step-1"}
+        )
+        assert reloaded.json() == {"success": True, "weight_version": "step-1"}
+        assert control.post("/resume").status_code == 200
+    answers = on_new_connections(server, 8, lambda c: generate(c).json())
+    assert {a["choices"][0]["weight_versions"][0]["version"] for a in answers} == {"step-1"}
+
+
+def test_a_lora_adapter_serves_from_every_frontend(server: Server) -> None:
+    def complete(client: httpx.Client, model: str) -> httpx.Response:
+        body = {"model": model, "prompt": PROMPT, **GREEDY}
+        return client.post("/v1/completions", json=body)
+
+    adapted = on_new_connections(server, 6, lambda c: complete(c, "a0"))
+    assert {r.status_code for r in adapted} == {200}
+    assert len({r.json()["choices"][0]["text"] for r in adapted}) == 1
+    with server.client() as client:
+        assert_error(complete(client, "not-loaded"), 404, "does not exist")
+        base = complete(client, "smollm2-135m-instruct").json()
+    assert base["choices"][0]["text"] != adapted[0].json()["choices"][0]["text"]
+
+
+def test_structured_outputs_and_several_choices_cross_to_the_core(server: Server) -> None:
+    """A frontend compiles the grammar (its 400s are its own) and the core runs its text."""
+    schema = {
+        "type": "object",
+        "properties": {"count": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["count"],
+        "additionalProperties": False,
+    }
+    body = {
+        "messages": [{"role": "user", "content": "A count as JSON."}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+        "n": 3,
+        "seed": 4,
+        "temperature": 1.0,
+        "max_tokens": 32,
+    }
+    answers = on_new_connections(server, 4, lambda c: c.post("/v1/chat/completions", json=body))
+    for answer in answers:
+        assert answer.status_code == 200, answer.text
+        choices = answer.json()["choices"]
+        assert len(choices) == 3
+        for choice in choices:
+            assert choice["finish_reason"] == "stop"
+            assert 0 <= json.loads(choice["message"]["content"])["count"] <= 9
+    # Seeded: every frontend's answer is the same.
+    assert len({str(a.json()["choices"]) for a in answers}) == 1
+    with server.client() as client:
+        broken = {**body, "response_format": {"type": "json_schema", "json_schema": {"name": "b"}}}
+        assert client.post("/v1/chat/completions", json=broken).status_code == 400
+
+
+def test_sglang_pause_holds_every_frontends_requests(server: Server) -> None:
+    """Held in the core, not refused: they start once generation continues."""
+    with server.client() as control:
+        assert control.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(on_new_connections, server, 4, generate)
+            time.sleep(1.0)
+            assert not held.done()
+            assert control.post("/continue_generation").status_code == 200
+            answers = held.result(60)
+    assert {answer.status_code for answer in answers} == {200}
+
+
+def test_a_session_is_one_across_frontends(server: Server) -> None:
+    messages: list[dict] = []
+    for turn in range(3):
+        messages.append({"role": "user", "content": f"turn {turn}: say something"})
+        with fresh(server) as client:
+            answer = client.post(
+                "/v1/chat/completions",
+                json={"messages": messages, **GREEDY},
+                headers={"X-Session-ID": "across"},
+            )
+        assert answer.status_code == 200, answer.text
+        messages.append(answer.json()["choices"][0]["message"])
+    with server.client() as client:
+        session = client.get("/v1/sessions/across").json()
+    assert len(session["turns"]) == 3
+
+
+def test_abort_by_id_and_a_running_id_cross_frontends(server: Server) -> None:
+    chunks: list[str] = []
+    first = threading.Event()
+
+    def stream() -> None:
+        body = {
+            "token_ids": PROMPT,
+            "request_id": "long-1",
+            "stream": True,
+            "sampling_params": {"max_tokens": 4000, "ignore_eos": True},
+        }
+        with (
+            fresh(server) as client,
+            client.stream("POST", "/inference/v1/generate", json=body) as response,
+        ):
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(line)
+                    first.set()
+
+    runner = threading.Thread(target=stream)
+    runner.start()
+    assert first.wait(60)
+    duplicates = on_new_connections(server, 4, lambda c: generate(c, request_id="long-1"))
+    for duplicate in duplicates:
+        assert_error(duplicate, 400, "already running")
+    with fresh(server) as client:
+        aborted = client.post("/abort_requests", json={"request_ids": ["long-1"]}).json()
+    assert aborted["aborted"] == 1
+    runner.join(60)
+    assert not runner.is_alive()
+    assert '"finish_reason":"abort"' in chunks[-1]
+
+
+def test_a_client_that_leaves_frees_the_core(server: Server) -> None:
+    body = {"token_ids": PROMPT, "stream": True, "sampling_params": {"max_tokens": 4000}}
+    body["sampling_params"]["ignore_eos"] = True
+    with (
+        fresh(server) as client,
+        client.stream("POST", "/inference/v1/generate", json=body) as response,
+    ):
+        next(response.iter_lines())
+    with server.client() as client:
+        deadline = time.monotonic() + 30
+        while client.get("/get_load").json()["load"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert client.get("/get_load").json()["load"] == 0
+
+
+def test_sigterm_drains_every_process(server: Server) -> None:
+    """Last: a stream in flight finishes, then every process exits 0."""
+    pids = children(server.process.pid)
+    body = {"token_ids": PROMPT, "stream": True, "sampling_params": {"max_tokens": 48}}
+    body["sampling_params"]["ignore_eos"] = True
+    with (
+        fresh(server) as client,
+        client.stream("POST", "/inference/v1/generate", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        next(lines)
+        server.process.send_signal(signal.SIGTERM)
+        rest = list(lines)
+    assert '"finish_reason":"length"' in [line for line in rest if line.startswith("data: {")][-1]
+    assert server.process.wait(60) == 0
+    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+
+
+def test_a_dead_core_stops_the_server(tmp_path: Path, lora_adapters: list[Path]) -> None:
+    """The core's engine dying (here the whole core, SIGKILLed) ends every process, exit 1."""
+    server = Server(server_args(lora_adapters[0]), tmp_path / "server.log", api_key=API_KEY)
+    try:
+        server.wait_ready()
+        pids = children(server.process.pid)
+        os.kill(core_pid(server), signal.SIGKILL)
+        assert server.process.wait(60) == 1
+        assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+    finally:
+        server.stop()
