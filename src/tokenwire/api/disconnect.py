@@ -28,14 +28,14 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await ``work``, cancelling it (and so aborting it) if the client disconnects.
 
     The only reader of ``receive()`` meanwhile: the body was read before, and the response
-    (Starlette's StreamingResponse listens for the disconnect too) starts after this returns.
+    (a stream's ``api.sse.SSEResponse`` watches for the disconnect too) starts after this
+    returns.
     ``work`` runs in the caller's task, which the waiter cancels on a disconnect: no second
     task for ``work`` and no ``asyncio.wait`` over both (a fifth of a short request's cost in
     the pipeline, when they were).
     """
-    task = asyncio.current_task()
-    assert task is not None, "called from a task"
-    watch = _Watch(task, request.receive)
+    watch = DisconnectWatch(request.receive)
+    task = watch.task
     try:
         result = await work
     except BaseException as exc:
@@ -53,15 +53,19 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return result
 
 
-class _Watch:
-    """Cancels ``task`` when ``receive()`` says the client is gone; the waiter that listens is
-    started at the loop's next turn, if ``stop`` has not come first."""
+class DisconnectWatch:
+    """Cancels the calling task when ``receive()`` says the client is gone; the waiter that
+    listens is started at the loop's next turn, if ``stop`` has not come first. Its owner
+    catches the cancellation, and where ``gone`` says it was this watch's, calls
+    ``task.uncancel()``."""
 
-    __slots__ = ("_receive", "_start", "_task", "_waiter", "gone")
+    __slots__ = ("_receive", "_start", "_waiter", "gone", "task")
 
-    def __init__(self, task: asyncio.Task[object], receive: Receive) -> None:
+    def __init__(self, receive: Receive) -> None:
+        task = asyncio.current_task()
+        assert task is not None, "called from a task"
         self.gone = False
-        self._task = task
+        self.task = task
         self._receive = receive
         self._waiter: asyncio.Task[None] | None = None
         self._start: asyncio.Handle | None = task.get_loop().call_soon(self._begin)
@@ -78,14 +82,14 @@ class _Watch:
 
     def _begin(self) -> None:
         self._start = None
-        self._waiter = self._task.get_loop().create_task(_disconnect(self._receive))
+        self._waiter = self.task.get_loop().create_task(_disconnect(self._receive))
         self._waiter.add_done_callback(self._ended)
 
     def _ended(self, waiter: asyncio.Task[None]) -> None:
         # The waiter may end after ``work`` did (stopped), before this callback ran.
         if waiter is self._waiter and not waiter.cancelled():
             self.gone = True
-            self._task.cancel()
+            self.task.cancel()
 
 
 async def _disconnect(receive: Receive) -> None:

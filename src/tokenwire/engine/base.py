@@ -80,9 +80,12 @@ class Grammar(Protocol):
 
 
 @pickled_by_fields
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SamplingParams:
-    """Per-request sampling, already validated by the protocol layer."""
+    """Per-request sampling, already validated by the protocol layer; never changed once made.
+
+    Not a frozen dataclass: one is made per choice, and a frozen one's ``__init__`` (a call of
+    ``object.__setattr__`` per field) took 6 µs of a short generate's ~150, this one's 2."""
 
     max_tokens: int
     temperature: float = 1.0

@@ -64,10 +64,12 @@ async def start_job(
     choices: list[Choice] = []
     for prompt_index, (prompt, grammar) in enumerate(zip(prompts, grammars, strict=True)):
         params = prompt.sampling
-        options = DecodeOptions.of(params)
+        # Only a decoder reads them: a request with no text to read and no stop string has none.
+        options = DecodeOptions.of(params) if parsing is not None or params.stop else None
+        stop_strings = options.stop_strings if options is not None else ()
         for sample in range(params.n):
             decoder = None
-            if parsing is not None or options.stop_strings:
+            if options is not None and (parsing is not None or stop_strings):
                 decoder = ChoiceDecoder.start(
                     runtime.decoder,
                     runtime.eos_token_ids,
@@ -89,7 +91,7 @@ async def start_job(
                 prompt.prompt_only,
                 prompt.cache_salt,
                 version,
-                final_only=not streamed and not options.stop_strings,
+                final_only=not streamed and not stop_strings,
             )
             choices.append(Choice(len(choices), prompt_index, sample, request, decoder))
 
@@ -239,6 +241,7 @@ class Generation:
             self.num_top = len(params.logprob_token_ids) + 1
         # vLLM's: every choice carries its routing while the engine captures it.
         self.routed = ROUTING_FEATURE in job.engine.features
+        self.output_mode = body.output_mode
 
     @property
     def request_id(self) -> str:
@@ -267,10 +270,11 @@ class Generation:
         include_usage = options is not None and options.include_usage
         continuous = options is not None and options.continuous_usage_stats
         sent_prompt_logprobs = False
+        request_id = job.request_id
         async with contextlib.aclosing(job.deltas()) as deltas:
             async for delta in deltas:
                 chunk: dict[str, Any] = {
-                    "request_id": job.request_id,
+                    "request_id": request_id,
                     "choices": [self._delta_json(delta)],
                 }
                 if not sent_prompt_logprobs and delta.choice.prompt_logprobs is not None:
@@ -305,7 +309,7 @@ class Generation:
             "finish_reason": delta.finish_reason,
             "stop_reason": delta.stop_reason,
         }
-        mode = self.body.output_mode
+        mode = self.output_mode
         if mode == "text":
             result["text"] = delta.text
         elif mode == "derender":
@@ -328,7 +332,7 @@ class Generation:
             "stop_reason": choice.stop_reason,
             "weight_versions": choice.weight_versions.spans,
         }
-        mode = self.body.output_mode
+        mode = self.output_mode
         if mode == "text":
             result["text"] = choice.text
         elif mode == "derender":

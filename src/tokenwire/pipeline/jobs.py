@@ -65,13 +65,17 @@ class GenerationJob:
         self.choices = choices
         self._on_end = on_end
 
-    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
-        """Merged deltas of all choices; leaving early aborts whatever still runs."""
+    def deltas(self) -> AsyncGenerator[ChoiceDelta, None]:
+        """Merged deltas of all choices; leaving early aborts whatever still runs; ``on_end``
+        runs when they end, however they end."""
+        if len(self.choices) == 1:  # most requests: the choice's own stream, one layer less
+            return self._run(self.choices[0], ends_job=True)
+        return self._merged()
+
+    async def _merged(self) -> AsyncGenerator[ChoiceDelta, None]:
         try:
             runs = [self._run(choice) for choice in self.choices]
-            # Most requests have one choice: its stream as it is, one generator less per token.
-            streams = runs[0] if len(runs) == 1 else merge(runs)
-            async with contextlib.aclosing(streams):
+            async with contextlib.aclosing(merge(runs)) as streams:
                 async for delta in streams:
                     yield delta
         finally:
@@ -124,19 +128,22 @@ class GenerationJob:
                 return value
         return None
 
-    async def _run(self, choice: Choice) -> AsyncGenerator[ChoiceDelta, None]:
-        """One choice's deltas; closing it aborts the engine request."""
+    async def _run(
+        self, choice: Choice, *, ends_job: bool = False
+    ) -> AsyncGenerator[ChoiceDelta, None]:
+        """One choice's deltas; closing it aborts the engine request. ``ends_job``: the job's
+        only stream, which runs ``on_end`` when it ends."""
         request = choice.request
-        stream = self.engine.generate(
-            request.engine_id,
-            request.prompt_ids,
-            request.sampling,
-            request.media,
-            cache_salt=request.cache_salt,
-            adapter=request.adapter,
-            final_only=request.final_only,
-        )
         try:
+            stream = self.engine.generate(
+                request.engine_id,
+                request.prompt_ids,
+                request.sampling,
+                request.media,
+                cache_salt=request.cache_salt,
+                adapter=request.adapter,
+                final_only=request.final_only,
+            )
             async with contextlib.aclosing(stream):
                 async for output in stream:
                     delta = choice.add(output)
@@ -145,6 +152,9 @@ class GenerationJob:
                         return
         except EngineError as exc:
             raise InvalidRequest(str(exc), "token_ids") from exc
+        finally:
+            if ends_job:
+                self.end()
 
 
 class JobRegistry:
