@@ -42,9 +42,8 @@ from starlette.responses import Response, StreamingResponse
 
 HERE = Path(__file__).resolve().parent
 PROMPT = [1, 9690, 198, 504, 3575, 282, 4649, 314]
-OUTPUT = [504, 3575, 282, 4649, 314, 7042, 30, 198]  # "The capital of France is..."
 SMALL_TOKENS = 16
-STREAM_TOKENS = 512
+STREAM_TOKENS = 512  # at most cheap_engine.MOST_TOKENS
 GENERATE = "/inference/v1/generate"
 
 
@@ -70,36 +69,7 @@ def workloads(stream_tokens: int) -> dict[str, dict[str, Any]]:
 
 def serve_tokenwire(port: int) -> None:
     """The tokenwire on ``sys.path`` over an engine whose outputs cost next to nothing."""
-    from tests.fake_engine import FakeEngine, Step
-    from tokenwire.engine.base import EngineOutput, TokenLogprob
-
-    class CheapEngine(FakeEngine):
-        """Answers every request at once from outputs made at start-up."""
-
-        def __init__(self, **kwargs: Any) -> None:
-            super().__init__(**kwargs)
-            ids = [OUTPUT[i % len(OUTPUT)] for i in range(STREAM_TOKENS)]
-            self.ids = ids
-            self.logprobs: dict[int, list[TokenLogprob]] = {
-                k: [Step(token).token_logprob(k) for token in ids] for k in range(6)
-            }
-
-        async def generate(  # type: ignore[override]
-            self, request_id: str, prompt_token_ids: list[int], sampling: Any, *_: Any, **kw: Any
-        ) -> AsyncIterator[EngineOutput]:
-            count = sampling.max_tokens
-            k = sampling.logprobs
-            logprobs = None if k is None else self.logprobs[k]
-            steps = [(0, count)] if kw.get("final_only") else [(i, i + 1) for i in range(count)]
-            for start, end in steps:
-                if start:
-                    await asyncio.sleep(0)  # a real engine's next token comes in a later turn
-                yield EngineOutput(
-                    self.ids[start:end],
-                    logprobs=None if logprobs is None else logprobs[start:end],
-                    finish_reason="length" if end == count else None,
-                    num_prompt_tokens=len(prompt_token_ids) if start == 0 else 0,
-                )
+    from cheap_engine import CheapEngine
 
     serve_fake_engine(port, CheapEngine.for_model)
 

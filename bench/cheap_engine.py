@@ -12,7 +12,7 @@ from tests.fake_engine import FakeEngine, Step
 from tokenwire.engine.base import EngineOutput, TokenLogprob
 
 OUTPUT = [504, 3575, 282, 4649, 314, 7042, 30, 198]  # "The capital of France is..."
-STREAM_TOKENS = 512
+MOST_TOKENS = 512  # the longest output it makes
 
 
 class CheapEngine(FakeEngine):
@@ -22,7 +22,7 @@ class CheapEngine(FakeEngine):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        ids = [OUTPUT[i % len(OUTPUT)] for i in range(STREAM_TOKENS)]
+        ids = [OUTPUT[i % len(OUTPUT)] for i in range(MOST_TOKENS)]
         self.ids = ids
         self.logprobs: dict[int, list[TokenLogprob]] = {
             k: [Step(token).token_logprob(k) for token in ids] for k in range(6)
