@@ -61,6 +61,14 @@ def children(pid: int) -> list[int]:
     return [p for p in pids if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
 
 
+def alive(pid: int) -> bool:
+    """Running (an exited child that nobody reaped yet is a zombie: not alive)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def cpu_ticks(pid: int) -> int:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])  # utime + stime
@@ -279,7 +287,7 @@ def test_sigterm_drains_every_process(server: Server) -> None:
         rest = list(lines)
     assert '"finish_reason":"length"' in [line for line in rest if line.startswith("data: {")][-1]
     assert server.process.wait(60) == 0
-    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+    assert not [pid for pid in pids if alive(pid)]
 
 
 def test_a_dead_core_stops_the_server(tmp_path: Path, lora_adapters: list[Path]) -> None:
@@ -290,6 +298,26 @@ def test_a_dead_core_stops_the_server(tmp_path: Path, lora_adapters: list[Path])
         pids = children(server.process.pid)
         os.kill(core_pid(server), signal.SIGKILL)
         assert server.process.wait(60) == 1
-        assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+        assert not [pid for pid in pids if alive(pid)]
+    finally:
+        server.stop()
+
+
+def test_a_killed_parent_takes_its_processes_with_it(
+    tmp_path: Path, lora_adapters: list[Path]
+) -> None:
+    """SIGKILL leaves the parent no time to stop its children: the kernel tells them."""
+    server = Server(server_args(lora_adapters[0]), tmp_path / "server.log", api_key=API_KEY)
+    try:
+        server.wait_ready()
+        pids = children(server.process.pid)
+        server.process.kill()
+        server.process.wait(10)
+        deadline = time.monotonic() + 60
+        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in pids if alive(pid)]
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{server.url}/health")
     finally:
         server.stop()

@@ -10,13 +10,16 @@ and the per-request text work, the larger part of a small request's CPU, spreads
 
 This process only starts them and watches: a signal goes on to all of them (each drains as one
 server does); when one ends on its own (the core's engine died, a frontend crashed) the others
-are stopped and the exit code is 1, for a supervisor to restart the server.
+are stopped and the exit code is 1, for a supervisor to restart the server. If this process is
+killed outright, its children get SIGTERM from the kernel (as vLLM's do), so none goes on
+holding the port.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import multiprocessing
 import os
@@ -42,6 +45,7 @@ logger = logging.getLogger("tokenwire")
 CORE_HTTP_SOCKET = "core-http.sock"
 CORE_JOBS_SOCKET = "core-jobs.sock"
 _STOP_GRACE_S = 30.0  # past --shutdown-timeout, before a child that will not stop is killed
+_PR_SET_PDEATHSIG = 1
 
 
 def serve_api_servers(settings: Settings, make_engine: Callable[[], Engine] | None = None) -> int:
@@ -114,6 +118,7 @@ def _run_core(
     from tokenwire.api.server import GracefulServer, uvicorn_config
     from tokenwire.pipeline.core_channel import JobChannel
 
+    _die_with_parent()
     _log(settings)
     app = create_app(settings, None if make_engine is None else make_engine())
     pipeline = app.state.pipeline
@@ -139,6 +144,7 @@ def _run_frontend(settings: Settings, directory: Path, listener: socket.socket) 
     from tokenwire.api.server import GracefulServer, uvicorn_config
     from tokenwire.pipeline.core_link import CoreLink
 
+    _die_with_parent()
     _log(settings)
     link = CoreLink(str(directory / CORE_JOBS_SOCKET))
     app = create_app(settings, core=link)
@@ -148,6 +154,14 @@ def _run_frontend(settings: Settings, directory: Path, listener: socket.socket) 
     server.run(sockets=[listener])
     # The core ends first in a shutdown, which this frontend sees as its engine's death.
     raise SystemExit(0 if server.draining_by_signal else server.exit_code)
+
+
+def _die_with_parent() -> None:
+    """SIGTERM this process when its parent dies (Linux's PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:  # the parent died before the call
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _log(settings: Settings) -> None:
