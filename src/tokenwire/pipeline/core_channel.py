@@ -13,10 +13,9 @@ this server's own processes: the socket lies in a directory only its user can op
 
 Frontend to core (``call`` numbers a frontend's job on its connection):
 - ``("hello", call)``: the engine's facts once it is up (``EngineFacts``), or why it is not;
-- ``("open", call, request_id, adapter, adapter_param, requests)``: admit a job of
-  ``ChoiceSpec`` s and run its choices; answered ``("opened", call)`` or ``("error", call,
-  None, exc)``, then choice i's outputs come as ``("out", call, i, EngineOutput)``, or an
-  ``("error", call, i, exc)`` ends it;
+- ``("open", call, JobSpec)``: admit a job and run its choices; answered ``("opened",
+  call)`` or ``("error", call, None, exc)``, then choice i's outputs come as ``("out", call,
+  i, EngineOutput)``, or an ``("error", call, i, exc)`` ends it;
 - ``("abort", call, index)``: the engine aborts the choice (its stream ends with "abort");
 - ``("stop", call, index)``: the frontend left the stream (closing it aborts the request);
 - ``("close", call)``: the job ended early; what still runs is aborted, its adapter version
@@ -154,13 +153,24 @@ class ChoiceSpec:
     final_only: bool
 
 
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """A job as a frontend asks the core to admit it: what ``start_job`` admits in one process.
+    ``adapter``: the LoRA adapter it names (``adapter_param``: the field that names it)."""
+
+    request_id: str
+    adapter: str | None
+    adapter_param: str
+    choices: list[ChoiceSpec]
+
+
 class JobChannel:
     """The core's end: serves every frontend's jobs from the core's pipeline."""
 
     def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
         self._server: asyncio.AbstractServer | None = None
-        self._connections: set[_Connection] = set()
+        self.connections: set[_Connection] = set()
 
     async def start(self, path: str) -> None:
         loop = asyncio.get_running_loop()
@@ -169,7 +179,7 @@ class JobChannel:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for connection in list(self._connections):
+        for connection in list(self.connections):
             await connection.end()
 
 
@@ -208,11 +218,11 @@ class _Connection(Frames):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self.channel._connections.add(self)
+        self.channel.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
-        self.channel._connections.discard(self)
+        self.channel.connections.discard(self)
         for call in list(self.jobs):
             self._close(call)  # aborts what still runs
 
@@ -260,69 +270,46 @@ class _Connection(Frames):
         )
         self.send(("facts", call, facts))
 
-    def _open(
-        self,
-        call: int,
-        request_id: str,
-        adapter: str | None,
-        adapter_param: str,
-        requests: list[ChoiceSpec],
-    ) -> None:
+    def _open(self, call: int, spec: JobSpec) -> None:
         """Admit the job as ``pipeline.generate.start_job`` does in one process, and register
         it; the frontend already checked and rendered it, all but the adapter ``model`` names,
         which only the core knows (a 404 as one process answers). At once when nothing needs
         waiting for, as in one process."""
-        if self.pipeline.control.gate.holding or any(r.grammar_text for r in requests):
-            self.opening[call] = self._spawn(
-                self._open_later(call, request_id, adapter, adapter_param, requests)
-            )
+        if self.pipeline.control.gate.holding or any(c.grammar_text for c in spec.choices):
+            self.opening[call] = self._spawn(self._open_later(call, spec))
             return
         try:
-            self._admit(call, request_id, adapter, adapter_param, requests, [None] * len(requests))
+            self._admit(call, spec, [None] * len(spec.choices))
         except Exception as exc:
             self._refuse(call, exc)
             return
         self._start(call)
 
-    async def _open_later(
-        self,
-        call: int,
-        request_id: str,
-        adapter: str | None,
-        adapter_param: str,
-        requests: list[ChoiceSpec],
-    ) -> None:
+    async def _open_later(self, call: int, spec: JobSpec) -> None:
         pipeline = self.pipeline
         try:
             runtime = pipeline.ready()
-            grammars = [await self._grammar(runtime.grammars, r) for r in requests]
+            grammars = [await self._grammar(runtime.grammars, c) for c in spec.choices]
             gate = pipeline.control.gate
             if gate.holding:
                 await gate.wait_while_held()
             self.opening.pop(call, None)
-            self._admit(call, request_id, adapter, adapter_param, requests, grammars)
+            self._admit(call, spec, grammars)
         except Exception as exc:
             self.opening.pop(call, None)
             self._refuse(call, exc)
             return
         self._start(call)
 
-    def _admit(
-        self,
-        call: int,
-        request_id: str,
-        adapter: str | None,
-        adapter_param: str,
-        requests: list[ChoiceSpec],
-        grammars: list[Any],
-    ) -> None:
+    def _admit(self, call: int, spec: JobSpec, grammars: list[Any]) -> None:
         pipeline = self.pipeline
         control = pipeline.control
-        runtime = pipeline.ready(adapter if adapter_param == "model" else None)
+        adapter = spec.adapter
+        runtime = pipeline.ready(adapter if spec.adapter_param == "model" else None)
         control.admit()
-        job = _ChannelJob(request_id, runtime.engine, requests, grammars)
+        job = _ChannelJob(spec.request_id, runtime.engine, spec.choices, grammars)
         if adapter is not None:
-            job.version = control.adapters.acquire(adapter, adapter_param)
+            job.version = control.adapters.acquire(adapter, spec.adapter_param)
         self.jobs[call] = job
         pipeline.jobs.add(job)  # type: ignore[arg-type]
 

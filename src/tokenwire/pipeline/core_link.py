@@ -22,7 +22,7 @@ from tokenwire.engine.base import (
     SamplingParams,
     check_running,
 )
-from tokenwire.pipeline.core_channel import ChoiceSpec, EngineFacts, Frames
+from tokenwire.pipeline.core_channel import EngineFacts, Frames, JobSpec
 
 
 class CoreLink(Frames):
@@ -57,26 +57,21 @@ class CoreLink(Frames):
         if self.transport is not None:
             self.transport.close()
 
-    async def open_job(
-        self,
-        request_id: str,
-        adapter: str | None,
-        adapter_param: str,
-        requests: list[ChoiceSpec],
-    ) -> RemoteJob:
+    async def open_job(self, spec: JobSpec) -> RemoteJob:
         """Have the core admit and register a job (its errors raised here, as one process
         raises them); run its choices on the returned job."""
         call = next(self._calls)
         # The core runs the choices once admitted: their outputs may follow "opened" at once.
-        for index in range(len(requests)):
+        count = len(spec.choices)
+        for index in range(count):
             self._streams[call, index] = asyncio.Queue()
         try:
-            await self._ask("open", call, request_id, adapter, adapter_param, requests)
+            await self._ask("open", call, spec)
         except BaseException:
-            for index in range(len(requests)):
+            for index in range(count):
                 self._streams.pop((call, index), None)
             raise
-        return RemoteJob(self, call, [spec.engine_id for spec in requests])
+        return RemoteJob(self, call, [choice.engine_id for choice in spec.choices])
 
     def post(self, *message: Any) -> None:
         check_running(self.transport is not None, self.death)

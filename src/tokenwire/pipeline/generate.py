@@ -12,7 +12,7 @@ from typing import Any
 from tokenwire.engine.base import Grammar, LogprobsMode, SamplingParams, SamplingSupport
 from tokenwire.pipeline.choice import Choice, ChoiceDelta, ChoiceRequest, engine_request_id
 from tokenwire.pipeline.context import ModelRuntime, Pipeline
-from tokenwire.pipeline.core_channel import ChoiceSpec
+from tokenwire.pipeline.core_channel import ChoiceSpec, JobSpec
 from tokenwire.pipeline.decoder import PLAIN, ChoiceDecoder, ChoiceStep, DecodeOptions, Parsing
 from tokenwire.pipeline.derender import message_json
 from tokenwire.pipeline.errors import InvalidRequest
@@ -99,11 +99,9 @@ async def start_job(
         runner: ChoiceRunner = runtime.engine
         release = None if version is None else functools.partial(control.adapters.release, version)
     else:  # a frontend: the core admits the job and runs it
+        choice_specs = [choice_spec(choice.request) for choice in choices]
         remote = await pipeline.core.open_job(
-            request_id,
-            adapter,
-            adapter_param,
-            [choice_spec(choice.request) for choice in choices],
+            JobSpec(request_id, adapter, adapter_param, choice_specs)
         )
         runner, release = remote, remote.close
 

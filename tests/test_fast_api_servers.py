@@ -1,0 +1,108 @@
+"""The job channel of ``--api-server-count``, in process: a frontend's app over a fake engine's
+core (``fast_rl_app``, served the channel on a Unix socket), each on its own event loop.
+
+A frontend's answer must be the core's own, byte for byte but ids and times, and every state
+the frontend meets (pause, weights, adapters, running ids) must be the core's.
+``tests/test_api_servers.py`` runs the real processes over HTTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from tests.conftest import API_KEY, RL_SERVER_ARGS, assert_error
+from tests.fast_app import FastApp, sse_chunks
+from tokenwire.api.app import create_app
+from tokenwire.pipeline.core_channel import JobChannel
+from tokenwire.pipeline.core_link import CoreLink
+from tokenwire.settings import DEFAULT_MODEL, parse_serve_args
+
+PROMPT = [504, 3458, 282, 4649, 314, 260]
+
+
+@pytest.fixture(scope="module")
+def frontend(
+    fast_rl_app: FastApp, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TestClient]:
+    path = str(tmp_path_factory.mktemp("channel") / "core-jobs.sock")
+    core = fast_rl_app.client
+    assert core.portal is not None
+    channel = JobChannel(core.app.state.pipeline)  # type: ignore[attr-defined]
+    core.portal.call(channel.start, path)
+    argv = [*RL_SERVER_ARGS, "--model", str(fast_rl_app.model_dir)]
+    argv += ["--served-model-name", DEFAULT_MODEL, "--api-key", API_KEY]
+    app = create_app(parse_serve_args(argv), core=CoreLink(path))
+    try:
+        with TestClient(app, headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+            fast_rl_app.wait_until(lambda: client.get("/health").status_code == 200, 60)
+            yield client
+    finally:
+        core.portal.call(channel.close)
+
+
+def without_ids(answer: Any) -> Any:
+    if isinstance(answer, dict):
+        return {
+            k: without_ids(v) for k, v in answer.items() if k not in ("id", "request_id", "created")
+        }
+    if isinstance(answer, list):
+        return [without_ids(item) for item in answer]
+    return answer
+
+
+def test_answers_are_the_cores(fast_rl: FastApp, frontend: TestClient) -> None:
+    generate = {
+        "token_ids": PROMPT,
+        "sampling_params": {"max_tokens": 5, "n": 2, "logprobs": 2, "seed": 3},
+    }
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True}
+    for path, body in (("/inference/v1/generate", generate), ("/v1/chat/completions", chat)):
+        here, there = frontend.post(path, json=body), fast_rl.client.post(path, json=body)
+        assert here.status_code == there.status_code == 200, here.text
+        assert without_ids(here.json()) == without_ids(there.json())
+        streamed = {**body, "stream": True}
+        here_chunks = sse_chunks(frontend, path, streamed)
+        assert without_ids(here_chunks) == without_ids(sse_chunks(fast_rl.client, path, streamed))
+
+
+def test_the_core_owns_the_gate_the_weights_and_the_adapters(
+    fast_rl: FastApp, frontend: TestClient
+) -> None:
+    body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}
+    assert fast_rl.client.post("/pause").status_code == 200
+    assert_error(frontend.post("/inference/v1/generate", json=body), 503, "paused")
+    reload = {"weight_dir": str(fast_rl.model_dir), "weight_version": "step-7"}
+    assert fast_rl.client.post("/update_weights", json=reload).status_code == 200
+    assert fast_rl.client.post("/resume").status_code == 200
+    answer = frontend.post("/inference/v1/generate", json=body).json()
+    assert answer["choices"][0]["weight_versions"][0]["version"] == "step-7"
+    unknown = {**body, "model": "no-such-adapter"}
+    assert_error(frontend.post("/inference/v1/generate", json=unknown), 404, "does not exist")
+    assert fast_rl.client.post("/update_weights", json={**reload, "weight_version": "default"})
+
+
+def test_a_grammar_is_compiled_again_in_the_core(fast_rl: FastApp, frontend: TestClient) -> None:
+    """The engine gets a grammar compiled in its own process, from the frontend's text; and
+    what the frontend decided for the engine (final_only) arrives with it."""
+    body = {
+        "prompt": "Yes or no?",
+        "max_tokens": 8,
+        "structured_outputs": {"choice": ["yes", "no"]},
+    }
+    assert frontend.post("/v1/completions", json=body).status_code == 200
+    assert fast_rl.client.post("/v1/completions", json=body).status_code == 200
+    remote, local = fast_rl.engine.calls[-2:]
+    assert remote.sampling.grammar is not None and local.sampling.grammar is not None
+    assert remote.sampling.grammar.text == local.sampling.grammar.text
+    assert remote.sampling.grammar is not local.sampling.grammar  # two compilers' caches
+    assert remote.final_only and local.final_only
+    broken = {**body, "structured_outputs": {"regex": "("}}
+    refused, refused_there = (
+        client.post("/v1/completions", json=broken) for client in (frontend, fast_rl.client)
+    )
+    assert refused.status_code == refused_there.status_code == 400
+    assert refused.json() == refused_there.json()
