@@ -15,13 +15,14 @@ VLLM_ENV := VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1
 # nor does the router's (tests/test_router.py: placement and keys, on make test's servers).
 # Grouped by server, as each session server ends after its last test (tests/conftest.py):
 # smollm2_server's modules, then rl_server's (test_framework_compat uses both), lora_server's,
-# and the one that starts its own. So at most two vLLM servers run at once (each about 3.2 GB:
+# and those that start their own (test_api_servers: a core on vLLM's engine and two frontends). So at most two vLLM servers run at once (each about 3.2 GB:
 # its KV cache, weights and three processes); the former order kept smollm2_server up to the
 # end, beside rl_server and test_weight_transfer's second one.
 VLLM_TESTS := tests/test_engine_hf.py tests/test_generate.py tests/test_fidelity.py \
 	tests/test_openai.py tests/test_sglang_batches.py tests/test_scoring.py \
 	tests/test_structured_server.py tests/test_framework_compat.py tests/test_rl_control.py \
-	tests/test_weight_transfer.py tests/test_grpo.py tests/test_lora.py tests/test_engine_death.py
+	tests/test_weight_transfer.py tests/test_grpo.py tests/test_lora.py tests/test_engine_death.py \
+	tests/test_api_servers.py
 
 .PHONY: install serve test test-fast lint bench bench-smoke fuzz load install-vllm test-vllm bench-vllm \
 	install-frameworks test-frameworks

@@ -1,7 +1,8 @@
 """``--api-server-count 2``: two frontend processes on one port and one core, over HTTP.
 
 A fleet's view of one server: requests land on either frontend (each connection is accepted by
-whichever process is free), and every answer must be what one process gives. Pause, a weight
+whichever process is free), and every answer must be what one process gives. The engine in the
+core is the session's: hf in make test, vLLM's CPU build in make test-vllm. Pause, a weight
 reload, a LoRA adapter, a session, an abort by id and a client that leaves each cross from one
 frontend to the core and reach every other frontend's requests. The real model (SmolLM2) runs
 in the core; the frontends load only its text side.
@@ -22,14 +23,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import API_KEY, Server, assert_error
+from tests.conftest import API_KEY, SESSION_ENGINE, Server, assert_error, engine_flags
 
 PROMPT = [504, 3458, 282, 4649, 314, 260]
 GREEDY = {"temperature": 0, "max_tokens": 6}
 
 
 def server_args(adapter: Path) -> list[str]:
+    """On the session's engine: make test-vllm runs these on vLLM's, in the core."""
     return [
+        *engine_flags(SESSION_ENGINE["kind"], "smollm2-135m-instruct"),
         *("--api-server-count", "2", "--enable-rl-control", "--max-logprobs", "-1"),
         *("--max-held-requests", "2"),
         *("--enable-lora", "--max-lora-rank", "16", "--lora-modules", f"a0={adapter}"),

@@ -189,7 +189,7 @@ class Settings:
         1,
         type=int,
         help="HTTP server processes on the port (vLLM's flag): each does its requests' text "
-        "work, one core process runs the engine and owns every state; hf engine only",
+        "work, one core process runs the engine and owns every state",
     )
     max_held_requests: int = flag(
         1024,
@@ -389,11 +389,6 @@ def settings_from_args(args: argparse.Namespace, engine_args: Sequence[str] = ()
         )
     if values.get("api_server_count", 1) < 1:
         raise ValueError("--api-server-count must be >= 1")
-    if values.get("api_server_count", 1) > 1 and values.get("engine") == "vllm":
-        raise ValueError(
-            "--api-server-count above 1 is served with the hf engine only yet (with --engine "
-            "vllm, vLLM's own API server processes are not wired in)"
-        )
     if values.get("max_held_requests", 0) < 0:
         raise ValueError("--max-held-requests must be >= 0")
     return Settings(**values, engine_args=tuple(engine_args))
