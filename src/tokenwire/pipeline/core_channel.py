@@ -56,7 +56,7 @@ class Frames(asyncio.Protocol):
     """One end of the channel: whole messages in (``received``), messages out (``send``).
 
     A protocol, not streams: a frame costs a buffer slice and a ``pickle.loads``, with no
-    coroutine per read (a small request crosses the channel four times)."""
+    coroutine per read (every request crosses the channel twice at least)."""
 
     def __init__(self) -> None:
         self.transport: Any = None  # asyncio's or uvloop's Unix socket transport
@@ -229,7 +229,7 @@ class _Connection(Frames):
     def received(self, message: tuple[Any, ...]) -> None:
         kind, call = message[0], message[1]
         if kind == "open":
-            self._open(call, *message[2:])
+            self._open(call, message[2])
         elif kind == "abort":
             job = self.jobs.get(call)
             if job is not None:
