@@ -1,5 +1,6 @@
 """The job channel of ``--api-server-count``, in process: a frontend's app over a fake engine's
-core (``fast_rl_app``, served the channel on a Unix socket), each on its own event loop.
+core (``rl_server``'s app, its own: these tests reload its weights), serving the channel on a
+Unix socket, each app on its own event loop.
 
 A frontend's answer must be the core's own, byte for byte but ids and times, and every state
 the frontend meets (pause, weights, adapters, running ids) must be the core's.
@@ -15,7 +16,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from tests.conftest import API_KEY, RL_SERVER_ARGS, assert_error
-from tests.fast_app import FastApp, sse_chunks
+from tests.fast_app import FastApp, serve_fast, sse_chunks
 from tokenwire.api.app import create_app
 from tokenwire.pipeline.core_channel import JobChannel
 from tokenwire.pipeline.core_link import CoreLink
@@ -25,20 +26,29 @@ PROMPT = [504, 3458, 282, 4649, 314, 260]
 
 
 @pytest.fixture(scope="module")
-def frontend(
-    fast_rl_app: FastApp, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[TestClient]:
+def core_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastApp]:
+    yield from serve_fast(tmp_path_factory, RL_SERVER_ARGS, API_KEY)
+
+
+@pytest.fixture
+def rl_core(core_app: FastApp) -> Iterator[FastApp]:
+    yield core_app
+    core_app.settle()
+
+
+@pytest.fixture(scope="module")
+def frontend(core_app: FastApp, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     path = str(tmp_path_factory.mktemp("channel") / "core-jobs.sock")
-    core = fast_rl_app.client
+    core = core_app.client
     assert core.portal is not None
     channel = JobChannel(core.app.state.pipeline)  # type: ignore[attr-defined]
     core.portal.call(channel.start, path)
-    argv = [*RL_SERVER_ARGS, "--model", str(fast_rl_app.model_dir)]
+    argv = [*RL_SERVER_ARGS, "--model", str(core_app.model_dir)]
     argv += ["--served-model-name", DEFAULT_MODEL, "--api-key", API_KEY]
     app = create_app(parse_serve_args(argv), core=CoreLink(path))
     try:
         with TestClient(app, headers={"Authorization": f"Bearer {API_KEY}"}) as client:
-            fast_rl_app.wait_until(lambda: client.get("/health").status_code == 200, 60)
+            core_app.wait_until(lambda: client.get("/health").status_code == 200, 60)
             yield client
     finally:
         core.portal.call(channel.close)
@@ -54,38 +64,38 @@ def without_ids(answer: Any) -> Any:
     return answer
 
 
-def test_answers_are_the_cores(fast_rl: FastApp, frontend: TestClient) -> None:
+def test_answers_are_the_cores(rl_core: FastApp, frontend: TestClient) -> None:
     generate = {
         "token_ids": PROMPT,
         "sampling_params": {"max_tokens": 5, "n": 2, "logprobs": 2, "seed": 3},
     }
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True}
     for path, body in (("/inference/v1/generate", generate), ("/v1/chat/completions", chat)):
-        here, there = frontend.post(path, json=body), fast_rl.client.post(path, json=body)
+        here, there = frontend.post(path, json=body), rl_core.client.post(path, json=body)
         assert here.status_code == there.status_code == 200, here.text
         assert without_ids(here.json()) == without_ids(there.json())
         streamed = {**body, "stream": True}
         here_chunks = sse_chunks(frontend, path, streamed)
-        assert without_ids(here_chunks) == without_ids(sse_chunks(fast_rl.client, path, streamed))
+        assert without_ids(here_chunks) == without_ids(sse_chunks(rl_core.client, path, streamed))
 
 
 def test_the_core_owns_the_gate_the_weights_and_the_adapters(
-    fast_rl: FastApp, frontend: TestClient
+    rl_core: FastApp, frontend: TestClient
 ) -> None:
     body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}
-    assert fast_rl.client.post("/pause").status_code == 200
+    assert rl_core.client.post("/pause").status_code == 200
     assert_error(frontend.post("/inference/v1/generate", json=body), 503, "paused")
-    reload = {"weight_dir": str(fast_rl.model_dir), "weight_version": "step-7"}
-    assert fast_rl.client.post("/update_weights", json=reload).status_code == 200
-    assert fast_rl.client.post("/resume").status_code == 200
+    reload = {"weight_dir": str(rl_core.model_dir), "weight_version": "step-7"}
+    assert rl_core.client.post("/update_weights", json=reload).status_code == 200
+    assert rl_core.client.post("/resume").status_code == 200
     answer = frontend.post("/inference/v1/generate", json=body).json()
     assert answer["choices"][0]["weight_versions"][0]["version"] == "step-7"
     unknown = {**body, "model": "no-such-adapter"}
     assert_error(frontend.post("/inference/v1/generate", json=unknown), 404, "does not exist")
-    assert fast_rl.client.post("/update_weights", json={**reload, "weight_version": "default"})
+    assert rl_core.client.post("/update_weights", json={**reload, "weight_version": "default"})
 
 
-def test_a_grammar_is_compiled_again_in_the_core(fast_rl: FastApp, frontend: TestClient) -> None:
+def test_a_grammar_is_compiled_again_in_the_core(rl_core: FastApp, frontend: TestClient) -> None:
     """The engine gets a grammar compiled in its own process, from the frontend's text; and
     what the frontend decided for the engine (final_only) arrives with it."""
     body = {
@@ -94,15 +104,15 @@ def test_a_grammar_is_compiled_again_in_the_core(fast_rl: FastApp, frontend: Tes
         "structured_outputs": {"choice": ["yes", "no"]},
     }
     assert frontend.post("/v1/completions", json=body).status_code == 200
-    assert fast_rl.client.post("/v1/completions", json=body).status_code == 200
-    remote, local = fast_rl.engine.calls[-2:]
+    assert rl_core.client.post("/v1/completions", json=body).status_code == 200
+    remote, local = rl_core.engine.calls[-2:]
     assert remote.sampling.grammar is not None and local.sampling.grammar is not None
     assert remote.sampling.grammar.text == local.sampling.grammar.text
     assert remote.sampling.grammar is not local.sampling.grammar  # two compilers' caches
     assert remote.final_only and local.final_only
     broken = {**body, "structured_outputs": {"regex": "("}}
     refused, refused_there = (
-        client.post("/v1/completions", json=broken) for client in (frontend, fast_rl.client)
+        client.post("/v1/completions", json=broken) for client in (frontend, rl_core.client)
     )
     assert refused.status_code == refused_there.status_code == 400
     assert refused.json() == refused_there.json()
