@@ -10,9 +10,10 @@ and the per-request text work, the larger part of a small request's CPU, spreads
 
 This process only starts them and watches: a signal goes on to all of them (each drains as one
 server does); when one ends on its own (the core's engine died, a frontend crashed) the others
-are stopped and the exit code is 1, for a supervisor to restart the server. If this process is
-killed outright, its children get SIGTERM from the kernel (as vLLM's do), so none goes on
-holding the port.
+are stopped and the exit code is 1, for a supervisor to restart the server. Each child leads a
+process group, ended once the child ended: what a killed core left (vLLM's engine core under it)
+goes with it. If this process is killed outright, its children get SIGTERM from the kernel (as
+vLLM's do), so none goes on holding the port.
 """
 
 from __future__ import annotations
@@ -101,6 +102,10 @@ def serve_api_servers(settings: Settings, make_engine: Callable[[], Engine] | No
             if child.exitcode is None:
                 child.kill()
                 child.join()
+            # What a child started and left behind, were it killed (vLLM's engine core under
+            # the core, request-template workers): its process group.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -118,7 +123,7 @@ def _run_core(
     from tokenwire.api.server import GracefulServer, uvicorn_config
     from tokenwire.pipeline.core_channel import JobChannel
 
-    _die_with_parent()
+    _as_child()
     _log(settings)
     app = create_app(settings, None if make_engine is None else make_engine())
     pipeline = app.state.pipeline
@@ -144,7 +149,7 @@ def _run_frontend(settings: Settings, directory: Path, listener: socket.socket) 
     from tokenwire.api.server import GracefulServer, uvicorn_config
     from tokenwire.pipeline.core_link import CoreLink
 
-    _die_with_parent()
+    _as_child()
     _log(settings)
     link = CoreLink(str(directory / CORE_JOBS_SOCKET))
     app = create_app(settings, core=link)
@@ -156,8 +161,10 @@ def _run_frontend(settings: Settings, directory: Path, listener: socket.socket) 
     raise SystemExit(0 if server.draining_by_signal else server.exit_code)
 
 
-def _die_with_parent() -> None:
-    """SIGTERM this process when its parent dies (Linux's PR_SET_PDEATHSIG)."""
+def _as_child() -> None:
+    """Lead a process group of its own, which the parent ends once this process ended, with
+    whatever it started; and get SIGTERM when the parent dies (Linux's PR_SET_PDEATHSIG)."""
+    os.setpgrp()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() == 1:  # the parent died before the call
