@@ -306,10 +306,8 @@ class _Connection(Frames):
         control = pipeline.control
         adapter = spec.adapter
         runtime = pipeline.ready(adapter if spec.adapter_param == "model" else None)
-        control.admit()
         job = _ChannelJob(spec.request_id, runtime.engine, spec.choices, grammars)
-        if adapter is not None:
-            job.version = control.adapters.acquire(adapter, spec.adapter_param)
+        job.version = control.admit_job(adapter, spec.adapter_param)
         self.jobs[call] = job
         pipeline.jobs.add(job)  # type: ignore[arg-type]
 

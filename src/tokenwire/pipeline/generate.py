@@ -58,9 +58,7 @@ async def start_job(
     control = pipeline.control
     version = None
     if pipeline.core is None:
-        control.admit()
-        if adapter is not None:
-            version = control.adapters.acquire(adapter, adapter_param)
+        version = control.admit_job(adapter, adapter_param)
     choices: list[Choice] = []
     for prompt_index, (prompt, grammar) in enumerate(zip(prompts, grammars, strict=True)):
         params = prompt.sampling

@@ -21,7 +21,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from tokenwire.engine.base import Engine
+from tokenwire.engine.base import AdapterVersion, Engine
 from tokenwire.pipeline.control.adapters import AdapterRegistry
 from tokenwire.pipeline.control.gate import VLLM_MEMORY_TAGS, Gate
 from tokenwire.pipeline.control.trainer_address import TrainerAddressPolicy
@@ -76,6 +76,13 @@ class ControlPlane:
         refusal = self.gate.refusal() or self.weights.refusal()
         if refusal is not None:
             raise NotReady(refusal)
+
+    def admit_job(self, adapter: str | None, adapter_param: str = "model") -> AdapterVersion | None:
+        """``admit`` a job, then hold the current version of the LoRA adapter it names
+        (``adapter_param`` names the field; None: the base model) until ``adapters.release``:
+        the one admission of every job, in one process or in the core of several."""
+        self.admit()
+        return None if adapter is None else self.adapters.acquire(adapter, adapter_param)
 
     # -- calls that span owners ---------------------------------------------------------------
 
