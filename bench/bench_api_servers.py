@@ -3,14 +3,16 @@ item 4).
 
 One tokenwire per N (N=1 is the one process ``tokenwire serve`` runs; N>1 is N frontends and
 a core), each over ``cheap_engine.CheapEngine`` in its core, all started at once and loaded in
-turn, round by round. The load is ``bench_small_request``'s raw HTTP/1.1 client in this process,
-so the client shares the cores with the server: on a machine of few cores the client's own CPU
-caps what any N can show (``bench_process_ceiling`` measures that ceiling). Reported per N and
+turn, round by round. The load is ``bench_small_request``'s raw HTTP/1.1 client, in this process
+or split over ``--client-processes`` forked ones (one client process tops out near 20,000
+requests/s, below what N frontends serve on many cores). The client shares the cores with the
+server: on a machine of few cores its own CPU caps what any N can show
+(``bench_process_ceiling`` measures that ceiling). Reported per N and
 workload: requests/s by wall clock (median of the rounds, and its ratio to N=1 round by round)
 and the server's CPU per request, summed over its processes from /proc.
 
 Usage: ``python bench/bench_api_servers.py [--counts 1 2] [--rounds 3] [--requests 4000]
-[--smoke]``.
+[--clients 32] [--client-processes 1] [--smoke]``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from pathlib import Path
 
 from bench_small_request import load, workloads
@@ -85,15 +89,43 @@ def core_of(pid: int) -> int | None:
     return None
 
 
+def load_share(url: str, body: dict, requests: int, connections: int) -> None:
+    """One client process's share of a load."""
+    asyncio.run(load(url, body, requests, connections))
+
+
+class Clients:
+    """The load's client: this process, or ``count`` forked ones sharing each load evenly."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.pool = None
+        if count > 1:
+            self.pool = ProcessPoolExecutor(count, mp_context=get_context("fork"))
+
+    def load(self, url: str, body: dict, requests: int, connections: int) -> None:
+        if self.pool is None:
+            load_share(url, body, requests, connections)
+            return
+        share = (requests // self.count, max(1, connections // self.count))
+        futures = [self.pool.submit(load_share, url, body, *share) for _ in range(self.count)]
+        for future in futures:
+            future.result()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
 def measure(
-    server: ServerProcess, body: dict, requests: int, clients: int
+    server: ServerProcess, body: dict, requests: int, connections: int, clients: Clients
 ) -> tuple[float, float, float]:
     """Requests/s by wall clock, and the server's CPU µs per request: all of it, and the
     core's share."""
-    asyncio.run(load(server.url, body, clients * 4, clients))  # warm-up: connections, caches
+    clients.load(server.url, body, connections * 4, connections)  # warm-up: caches
     core = core_of(server.process.pid)
     before, began = cpu_seconds_by_process(server.process.pid), time.perf_counter()
-    asyncio.run(load(server.url, body, requests, clients))
+    clients.load(server.url, body, requests, connections)
     wall = time.perf_counter() - began
     after = cpu_seconds_by_process(server.process.pid)
     used = {pid: after[pid] - before.get(pid, 0.0) for pid in after}
@@ -107,7 +139,8 @@ def main() -> None:
     parser.add_argument("--counts", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=4000)
-    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--clients", type=int, default=32, help="keep-alive connections")
+    parser.add_argument("--client-processes", type=int, default=1)
     parser.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: does it run")
     args = parser.parse_args()
     if args.serve:
@@ -118,6 +151,8 @@ def main() -> None:
     bodies = workloads(16)
     chosen = {name: bodies[name] for name in ("generate 16", "generate 16, logprobs 1")}
     servers = {}
+    clients = Clients(args.client_processes)
+    args.requests -= args.requests % args.client_processes  # an even share each
     try:
         for count in args.counts:
             port = free_port()
@@ -127,11 +162,12 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, body in chosen.items():
                 for count, server in servers.items():
-                    result = measure(server, body, args.requests, args.clients)
+                    result = measure(server, body, args.requests, args.clients, clients)
                     results.setdefault((name, count), []).append(result)
     finally:
         for server in servers.values():
             server.stop()
+        clients.close()
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end")
     for name in chosen:
         for count in args.counts:

@@ -68,8 +68,10 @@ def tokenwire_command(port: int, *args: str) -> list[str]:
 
 def tree_env(tree: Path) -> dict[str, str]:
     """An environment whose Python imports ``tree``'s tokenwire and test fake engine (the
-    installed package may be another checkout's), and these helpers."""
-    path = os.pathsep.join([str(tree / "src"), str(tree), str(HERE)])
+    installed package may be another checkout's), and these helpers; before any path the
+    caller's environment adds (where a machine's carried packages are)."""
+    inherited = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    path = os.pathsep.join([str(tree / "src"), str(tree), str(HERE), *filter(None, inherited)])
     return {**os.environ, "PYTHONPATH": path}
 
 
