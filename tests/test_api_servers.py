@@ -163,6 +163,13 @@ def test_a_lora_adapter_serves_from_every_frontend(server: Server) -> None:
     adapted = on_new_connections(server, 6, lambda c: complete(c, "a0"))
     assert {r.status_code for r in adapted} == {200}
     assert len({r.json()["choices"][0]["text"] for r in adapted}) == 1
+    tokenized = on_new_connections(
+        server, 6, lambda c: c.post("/tokenize", json={"model": "a0", "prompt": "hi"})
+    )
+    assert {r.status_code for r in tokenized} == {200}
+    unknown = {"model": "not-loaded", "prompt": "hi"}
+    for answer in on_new_connections(server, 6, lambda c: c.post("/tokenize", json=unknown)):
+        assert_error(answer, 404, "does not exist")
     with server.client() as client:
         assert_error(complete(client, "not-loaded"), 404, "does not exist")
         base = complete(client, "smollm2-135m-instruct").json()

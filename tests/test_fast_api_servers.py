@@ -92,6 +92,13 @@ def test_the_core_owns_the_gate_the_weights_and_the_adapters(
     assert answer["choices"][0]["weight_versions"][0]["version"] == "step-7"
     unknown = {**body, "model": "no-such-adapter"}
     assert_error(frontend.post("/inference/v1/generate", json=unknown), 404, "does not exist")
+    for path, text in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": PROMPT})):
+        for model, status in (("no-such-adapter", 404), (DEFAULT_MODEL, 200)):
+            answer, expected = (
+                app.post(path, json={**text, "model": model}) for app in (frontend, rl_core.client)
+            )
+            assert answer.status_code == expected.status_code == status, answer.text
+            assert answer.json() == expected.json()
     assert rl_core.client.post("/update_weights", json={**reload, "weight_version": "default"})
 
 

@@ -182,6 +182,15 @@ class Pipeline:
             raise UnknownModel(model)
         return self.runtime
 
+    async def ready_without_job(self, model: str | None) -> ModelRuntime:
+        """``ready(model)`` for a route a frontend answers without a job (/tokenize,
+        /detokenize): only the core knows which adapters are loaded, so a frontend asks it
+        about a name that is not the served model's (a 404 as one process answers)."""
+        runtime = self.ready(model)
+        if self.core is not None and model and model not in self.config.model_names:
+            await self.core.check_model(model)
+        return runtime
+
     def adapter_of(self, model: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` names (None: the base model)."""
         if self.core is not None:

@@ -16,6 +16,8 @@ Frontend to core (``call`` numbers a frontend's job on its connection):
 - ``("open", call, JobSpec)``: admit a job and run its choices; answered ``("opened",
   call)`` or ``("error", call, None, exc)``, then choice i's outputs come as ``("out", call,
   i, EngineOutput)``, or an ``("error", call, i, exc)`` ends it;
+- ``("model", call, name)``: whether a request may name ``name`` (an adapter's); answered
+  ``("known", call)`` or ``("error", call, None, exc)``;
 - ``("abort", call, index)``: the engine aborts the choice (its stream ends with "abort");
 - ``("stop", call, index)``: the frontend left the stream (closing it aborts the request);
 - ``("close", call)``: the job ended early; what still runs is aborted, its adapter version
@@ -243,6 +245,13 @@ class _Connection(Frames):
             self._close(call)
         elif kind == "hello":
             self._spawn(self._hello(call))
+        elif kind == "model":
+            try:
+                self.pipeline.ready(message[2])
+            except Exception as exc:
+                self.send(("error", call, None, portable(exc)))
+            else:
+                self.send(("known", call))
         else:
             logger.error("job channel: unknown message %r", kind)
 

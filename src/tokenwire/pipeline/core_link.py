@@ -73,6 +73,11 @@ class CoreLink(Frames):
             raise
         return RemoteJob(self, call, [choice.engine_id for choice in spec.choices])
 
+    async def check_model(self, name: str) -> None:
+        """Raise what the core's ``ready(name)`` raises (``UnknownModel``: no adapter of that
+        name is loaded)."""
+        await self._ask("model", None, name)
+
     def post(self, *message: Any) -> None:
         check_running(self.transport is not None, self.death)
         self.send(message)

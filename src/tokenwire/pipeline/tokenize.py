@@ -12,7 +12,7 @@ from tokenwire.protocol.tokenize import DetokenizeRequest, TokenizeChatRequest, 
 
 
 async def tokenize(pipeline: Pipeline, body: TokenizeRequest) -> dict[str, Any]:
-    runtime = pipeline.ready(body.model)
+    runtime = await pipeline.ready_without_job(body.model)
     tokenizer = runtime.tokenizer
     if isinstance(body, TokenizeChatRequest):
         rendered = await render_chat(
@@ -34,7 +34,7 @@ async def tokenize(pipeline: Pipeline, body: TokenizeRequest) -> dict[str, Any]:
 
 async def detokenize(pipeline: Pipeline, body: DetokenizeRequest) -> dict[str, Any]:
     """Special tokens kept, as vLLM's /detokenize does."""
-    runtime = pipeline.ready(body.model)
+    runtime = await pipeline.ready_without_job(body.model)
     tokens = body.tokens
     check_token_ids(runtime, tokens, "tokens")
     prompt = await run_text_work(len(tokens) * 4, lambda: runtime.tokenizer.decode(tokens))
