@@ -40,6 +40,7 @@ from tokenwire.engine.base import (
     EngineFeature,
     MultiModalInput,
     SamplingParams,
+    pickled_by_fields,
 )
 from tokenwire.pipeline.errors import InvalidRequest
 from tokenwire.structured.grammar import GrammarError
@@ -129,6 +130,7 @@ def portable(exc: BaseException) -> BaseException:
     return exc
 
 
+@pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class EngineFacts:
     """What a frontend needs of the engine to check and render requests itself."""
@@ -141,6 +143,7 @@ class EngineFacts:
     features: frozenset[EngineFeature]
 
 
+@pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class ChoiceSpec:
     """One choice's engine request as it crosses the channel: its grammar as text (a compiled
@@ -155,6 +158,7 @@ class ChoiceSpec:
     final_only: bool
 
 
+@pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class JobSpec:
     """A job as a frontend asks the core to admit it: what ``start_job`` admits in one process.
