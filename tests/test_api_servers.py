@@ -128,6 +128,17 @@ def test_every_process_serves_and_the_answers_agree(server: Server) -> None:
     logprobs = {str(a["choices"][0]["logprobs"]) for a in answers}
     assert len(tokens) == 1 and len(logprobs) == 1, "every frontend answers as one process"
     assert all(cpu_ticks(pid) > before[pid] for pid in pids), "each process did some of it"
+    # SGLang's /generate, served by the frontends too: the same ids, and logprobs equal up to
+    # what a prefill's batch and the prefix cache change (1e-6 here).
+    sglang = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    sglang_answers = on_new_connections(
+        server, 24, lambda c: c.post("/generate", json={**sglang, "return_logprob": True}).json()
+    )
+    assert len({str(a["output_ids"]) for a in sglang_answers}) == 1
+    first = [entry[0] for entry in sglang_answers[0]["meta_info"]["output_token_logprobs"]]
+    for answer in sglang_answers:
+        values = [entry[0] for entry in answer["meta_info"]["output_token_logprobs"]]
+        assert values == pytest.approx(first, abs=1e-4)
     # The frontends counted them; the core's /metrics sums every process's counts.
     with server.client() as client:
         metrics = client.get("/metrics").text

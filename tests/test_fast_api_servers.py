@@ -70,13 +70,29 @@ def test_answers_are_the_cores(rl_core: FastApp, frontend: TestClient) -> None:
         "sampling_params": {"max_tokens": 5, "n": 2, "logprobs": 2, "seed": 3},
     }
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True}
-    for path, body in (("/inference/v1/generate", generate), ("/v1/chat/completions", chat)):
+    sglang = {
+        "input_ids": [PROMPT, PROMPT[:4]],
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 2,
+    }
+    for path, body in (
+        ("/inference/v1/generate", generate),
+        ("/v1/chat/completions", chat),
+        ("/generate", sglang),
+    ):
         here, there = frontend.post(path, json=body), rl_core.client.post(path, json=body)
         assert here.status_code == there.status_code == 200, here.text
         assert without_ids(here.json()) == without_ids(there.json())
         streamed = {**body, "stream": True}
         here_chunks = sse_chunks(frontend, path, streamed)
         assert without_ids(here_chunks) == without_ids(sse_chunks(rl_core.client, path, streamed))
+    # atropos' VLLMServer body on SGLang's path
+    vllm_server = {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 3, "logprobs": 1}
+    here, there = (app.post("/generate", json=vllm_server) for app in (frontend, rl_core.client))
+    assert here.status_code == there.status_code == 200, here.text
+    assert here.json() == there.json()
 
 
 def test_the_core_owns_the_gate_the_weights_and_the_adapters(

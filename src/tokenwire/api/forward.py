@@ -20,8 +20,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tokenwire.api.errors import error_response
 from tokenwire.pipeline.context import Pipeline
 
-# What a frontend answers itself: the text work and the token-in/token-out and OpenAI
-# generating routes. A request of a session (X-Session-ID) goes to the core, which owns them.
+# What a frontend answers itself: the text work and the generating routes that keep no state
+# (token-in/token-out, OpenAI's, SGLang's). A request of a session (X-Session-ID) goes to the
+# core, which owns them; so do Anthropic's and the Responses API's, whose threads and stored
+# responses are the core's.
 FRONTEND_PATHS = frozenset(
     {
         "/tokenize",
@@ -29,6 +31,7 @@ FRONTEND_PATHS = frozenset(
         "/inference/v1/generate",
         "/v1/completions",
         "/v1/chat/completions",
+        "/generate",
     }
 )
 _SESSION_HEADER = b"x-session-id"
