@@ -192,3 +192,16 @@ def fast_client(app_fixture: str, name: str) -> Any:
         return request.getfixturevalue(app_fixture).client
 
     return client
+
+
+def without_ids(answer: Any) -> Any:
+    """``answer`` without what differs between two equal answers: ids and times."""
+    if isinstance(answer, dict):
+        return {
+            k: without_ids(v)
+            for k, v in answer.items()
+            if k not in ("id", "request_id", "created", "created_at", "item_id")
+        }
+    if isinstance(answer, list):
+        return [without_ids(item) for item in answer]
+    return answer

@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from tests.conftest import API_KEY, SESSION_ENGINE, Server, assert_error, engine_flags
+from tests.fast_app import without_ids
 
 PROMPT = [504, 3458, 282, 4649, 314, 260]
 GREEDY = {"temperature": 0, "max_tokens": 6}
@@ -149,6 +150,36 @@ def test_every_process_serves_and_the_answers_agree(server: Server) -> None:
     )
     assert served and float(served[0]) >= 96
     assert "tokenwire_engine_running_requests" in metrics
+
+
+def posting(path: str, body: dict):
+    """A call for ``on_new_connections``: POST ``body`` to ``path``."""
+    return lambda client: client.post(path, json=body)
+
+
+def test_anthropic_and_responses_are_served_by_every_frontend(server: Server) -> None:
+    """Without a session nothing of theirs outlives the answer: the frontends serve them, and
+    refuse alike what would continue a stored answer (the store is the core's)."""
+    messages = [{"role": "user", "content": "Say hi"}]
+    anthropic = {"model": "smollm2-135m-instruct", "max_tokens": 6, "messages": messages}
+    responses = {"model": "smollm2-135m-instruct", "max_output_tokens": 6, "input": "Say hi"}
+    for path, body, text_of in (
+        ("/v1/messages", {**anthropic, "temperature": 0}, lambda a: a["content"][0]["text"]),
+        ("/v1/responses", {**responses, "temperature": 0}, lambda a: str(a["output"])),
+    ):
+        answers = on_new_connections(server, 6, posting(path, body))
+        assert {a.status_code for a in answers} == {200}, answers[0].text
+        assert len({text_of(without_ids(a.json())) for a in answers}) == 1
+    continuing = (
+        (
+            "/v1/messages",
+            {**anthropic, "thread": {"type": "continue", "previous_message_id": "msg_1"}},
+        ),
+        ("/v1/responses", {**responses, "previous_response_id": "resp_1"}),
+    )
+    for path, body in continuing:
+        for answer in on_new_connections(server, 4, posting(path, body)):
+            assert_error(answer, 400, "X-Session-ID")
 
 
 def test_pause_and_a_weight_reload_reach_every_frontend(server: Server, smol_dir: Path) -> None:

@@ -9,6 +9,7 @@ the frontend meets (pause, weights, adapters, running ids) must be the core's.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from tests.conftest import API_KEY, RL_SERVER_ARGS, assert_error
-from tests.fast_app import FastApp, serve_fast, sse_chunks
+from tests.fast_app import FastApp, serve_fast, without_ids
 from tokenwire.api.app import create_app
 from tokenwire.pipeline.core_channel import JobChannel
 from tokenwire.pipeline.core_link import CoreLink
@@ -54,14 +55,18 @@ def frontend(core_app: FastApp, tmp_path_factory: pytest.TempPathFactory) -> Ite
         core.portal.call(channel.close)
 
 
-def without_ids(answer: Any) -> Any:
-    if isinstance(answer, dict):
-        return {
-            k: without_ids(v) for k, v in answer.items() if k not in ("id", "request_id", "created")
-        }
-    if isinstance(answer, list):
-        return [without_ids(item) for item in answer]
-    return answer
+def stream_events(client: TestClient, path: str, body: dict[str, Any]) -> list[Any]:
+    """A stream's events, named or not, their data parsed and without ids and times."""
+    with client.stream("POST", path, json=body) as response:
+        assert response.status_code == 200, response.read()
+        frames = response.read().decode().split("\n\n")
+    events = []
+    for frame in filter(None, frames):
+        fields = dict(line.split(": ", 1) for line in frame.splitlines())
+        data = fields["data"]
+        events.append([fields.get("event"), data if data == "[DONE]" else json.loads(data)])
+    assert events, "a stream of no events"
+    return without_ids(events)
 
 
 def test_answers_are_the_cores(rl_core: FastApp, frontend: TestClient) -> None:
@@ -77,17 +82,32 @@ def test_answers_are_the_cores(rl_core: FastApp, frontend: TestClient) -> None:
         "logprob_start_len": 0,
         "top_logprobs_num": 2,
     }
+    anthropic = {"model": DEFAULT_MODEL, "max_tokens": 4, "messages": chat["messages"]}
+    responses = {"model": DEFAULT_MODEL, "max_output_tokens": 4, "input": "hi", "top_logprobs": 2}
     for path, body in (
         ("/inference/v1/generate", generate),
         ("/v1/chat/completions", chat),
         ("/generate", sglang),
+        ("/v1/messages", anthropic),
+        ("/v1/responses", responses),
     ):
         here, there = frontend.post(path, json=body), rl_core.client.post(path, json=body)
         assert here.status_code == there.status_code == 200, here.text
         assert without_ids(here.json()) == without_ids(there.json())
         streamed = {**body, "stream": True}
-        here_chunks = sse_chunks(frontend, path, streamed)
-        assert without_ids(here_chunks) == without_ids(sse_chunks(rl_core.client, path, streamed))
+        here_events = stream_events(frontend, path, streamed)
+        assert here_events == stream_events(rl_core.client, path, streamed)
+    # Continuing a stored answer needs a session, which the core owns: refused alike.
+    for path, body in (
+        (
+            "/v1/messages",
+            {**anthropic, "thread": {"type": "continue", "previous_message_id": "msg_1"}},
+        ),
+        ("/v1/responses", {**responses, "previous_response_id": "resp_1"}),
+    ):
+        here, there = frontend.post(path, json=body), rl_core.client.post(path, json=body)
+        assert_error(here, 400, "X-Session-ID")
+        assert here.json() == there.json()
     # atropos' VLLMServer body on SGLang's path
     vllm_server = {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 3, "logprobs": 1}
     here, there = (app.post("/generate", json=vllm_server) for app in (frontend, rl_core.client))

@@ -20,10 +20,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tokenwire.api.errors import error_response
 from tokenwire.pipeline.context import Pipeline
 
-# What a frontend answers itself: the text work and the generating routes that keep no state
-# (token-in/token-out, OpenAI's, SGLang's). A request of a session (X-Session-ID) goes to the
-# core, which owns them; so do Anthropic's and the Responses API's, whose threads and stored
-# responses are the core's.
+# What a frontend answers itself: the text work and the generating routes, each dialect's. A
+# request of a session (X-Session-ID) goes to the core, which owns them: without one, nothing a
+# generating route does outlives its answer (Anthropic's threads and the Responses API's
+# stored responses are a session's).
 FRONTEND_PATHS = frozenset(
     {
         "/tokenize",
@@ -32,6 +32,8 @@ FRONTEND_PATHS = frozenset(
         "/v1/completions",
         "/v1/chat/completions",
         "/generate",
+        "/v1/messages",
+        "/v1/responses",
     }
 )
 _SESSION_HEADER = b"x-session-id"

@@ -199,13 +199,14 @@ NO_THREADS: dict[str, object] = {
 
 
 async def continued_head(
-    store: SessionStore, key: SessionKey | None, param: str, reply_id: str
+    pipeline: Pipeline, key: SessionKey | None, param: str, reply_id: str
 ) -> Head:
     """The head a stateful form (``param``: Anthropic's ``thread``, Responses'
     ``previous_response_id``) continues: the session's, whose last answer must be
     ``reply_id``. Only a session's last answer is kept, so only it can be continued. Each
     refusal carries the error code of Anthropic's threads, on which its SDK sends the whole
-    history instead."""
+    history instead. Without a session it refuses before reading the store (an
+    ``--api-server-count`` frontend, which serves requests without one, has none)."""
     if key is None:
         raise InvalidRequest(
             f"{param} continues a recorded session: send its X-Session-ID header (tokenwire "
@@ -213,7 +214,7 @@ async def continued_head(
             param,
             NO_THREADS,
         )
-    head = await store.head(key.id, key.owner)
+    head = await pipeline.session_store().head(key.id, key.owner)
     if head is None or head.reply_id != reply_id:
         last = f"its last answer is {head.reply_id!r}" if head else "it has no turn yet"
         code = "thread_not_found" if head is None else "thread_already_continued"

@@ -40,7 +40,7 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
     thread = body.thread
     if thread is not None and thread.previous_message_id is not None:
         reply_id = thread.previous_message_id
-        continued = await continued_head(pipeline.session_store(), session, "thread", reply_id)
+        continued = await continued_head(pipeline, session, "thread", reply_id)
     elif thread is not None:  # create: what a session's turn does anyway
         if session is None:
             raise InvalidRequest(

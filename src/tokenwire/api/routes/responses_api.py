@@ -36,7 +36,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     continued = None
     if body.previous_response_id is not None:
         continued = await continued_head(
-            pipeline.session_store(), session, "previous_response_id", body.previous_response_id
+            pipeline, session, "previous_response_id", body.previous_response_id
         )
     history = continued.messages if continued is not None else None
     response_id = responses_api.new_response_id()
