@@ -187,8 +187,8 @@ class Pipeline:
         /detokenize): only the core knows which adapters are loaded, so a frontend asks it
         about a name that is not the served model's (a 404 as one process answers)."""
         runtime = self.ready(model)
-        if self.core is not None and model and model not in self.config.model_names:
-            await self.core.check_model(model)
+        if self.core is not None and (adapter := self.adapter_of(model)) is not None:
+            await self.core.check_model(adapter)
         return runtime
 
     def adapter_of(self, model: str | None) -> str | None:
