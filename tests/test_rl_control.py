@@ -191,13 +191,18 @@ def test_pause_keep_freezes_and_continues_unchanged(rl_server: Server, rl: httpx
     frozen = len(stream.tokens())
     # A new request queues instead of being refused, and nothing moves while paused.
     queued = Stream(rl_server, [4, 5, 6], max_tokens=4, ignore_eos=True)
+    deadline = time.monotonic() + 60
+    while ok(rl.get("/get_load"))["load"] < 2:  # the engine holds both: it queued
+        assert time.monotonic() < deadline, "the new request never reached the engine"
+        time.sleep(0.05)
     time.sleep(0.5)
     assert len(stream.tokens()) == frozen and not queued.chunks
     ok(rl.post("/resume"))
     assert stream.final()["finish_reason"] == "length"
     assert stream.tokens() == reference["token_ids"]
     assert stream.final()["weight_versions"] == [{"version": "default", "start": 0, "end": 16}]
-    assert len(queued.tokens()) == 4 and queued.final()["finish_reason"] == "length"
+    # The queued request may still be running when the first ends: wait for its end first.
+    assert queued.final()["finish_reason"] == "length" and len(queued.tokens()) == 4
 
 
 def test_training_loop_reload_versions_and_parity(
