@@ -31,7 +31,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from bench_small_request import load, workloads
-from serverbench import CLOCK_TICKS, ServerProcess, free_port, tree_env
+from serverbench import ServerProcess, cpu_seconds_by_process, free_port, tree_env
 
 HERE = Path(__file__).resolve().parent
 
@@ -59,19 +59,6 @@ def serve(port: int, count: int) -> None:
             return
         app = create_app(settings, make_engine())
         GracefulServer(uvicorn_config(app, settings), app.state.pipeline, 5).run()
-
-
-def cpu_seconds_by_process(pid: int) -> dict[int, float]:
-    """User + system CPU of a process and its descendants, each, from /proc."""
-    seconds = {}
-    pending = [pid]
-    while pending:
-        current = pending.pop()
-        stat = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-        seconds[current] = (int(stat[11]) + int(stat[12])) / CLOCK_TICKS
-        children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
-        pending.extend(int(child) for child in children)
-    return seconds
 
 
 def core_of(pid: int) -> int | None:

@@ -7,11 +7,12 @@ aborted by id mid-way. Half-way through, the poison requests are sent (sampling 
 overflow float32, and the most extreme ones the server accepts); each may fail, nothing else may.
 
 Prints statuses and latency percentiles per kind, the poisons' answers, the server's RSS before
-and after and the engine slots still in use after. Exits 1 if any request but the poisons got a
+and after (summed over its processes) and the engine slots still in use after. Exits 1 if any request but the poisons got a
 5xx or a failed stream, a request that was not aborted ended "abort", a slot is left, or RSS
 (less the prefix cache, sized by its flag) is not back within 10% of the warm start.
 
-Usage: ``python bench/load.py [--clients 128] [--duration 120] [--warmup 10] [--rounds 1]``
+Usage: ``python bench/load.py [--clients 128] [--duration 120] [--warmup 10] [--rounds 1]
+[--api-server-count 1]``
 (with more rounds, RSS after each tells a working set that settles from a leak that grows).
 """
 
@@ -32,7 +33,13 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serverbench import ServerProcess, cpu_seconds, free_port, tokenwire_command
+from serverbench import (
+    ServerProcess,
+    cpu_seconds_by_process,
+    free_port,
+    process_tree,
+    tokenwire_command,
+)
 
 # Issue 9 item 1: a penalty that is 0 in float32 made inf logits and top-k's candidate draw
 # failed, with the whole prefill group or running batch (1e308 does not trip it on every prompt;
@@ -213,10 +220,19 @@ async def drive(url: str, clients: int, seconds: float, prompts: list, poison: b
 
 
 def rss_mib(pid: int) -> float:
+    """Resident memory of the server: of every process it runs (``--api-server-count``)."""
+    return sum(_own_rss_mib(process) for process in process_tree(pid))
+
+
+def _own_rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError("no VmRSS")
+
+
+def cpu_seconds(pid: int) -> float:
+    return sum(cpu_seconds_by_process(pid).values())
 
 
 def engine_gauges(url: str) -> dict[str, float]:
@@ -279,12 +295,16 @@ def main() -> int:
     parser.add_argument("--no-poison", action="store_true")
     parser.add_argument("--log", type=Path, default=Path("/tmp/tokenwire-load-server.log"))
     parser.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: does it run")
+    parser.add_argument(
+        "--api-server-count", type=int, default=1, help="frontend processes (a core beside)"
+    )
     args = parser.parse_args()
     if args.smoke:
         args.clients, args.duration, args.warmup = 4, 3.0, 1.0
 
     port = free_port()
-    server = ServerProcess(tokenwire_command(port), port, log=args.log)
+    command = tokenwire_command(port, "--api-server-count", str(args.api_server_count))
+    server = ServerProcess(command, port, log=args.log)
     url = server.url
     try:
         pid = server.process.pid

@@ -35,6 +35,22 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def process_tree(pid: int) -> list[int]:
+    """A process and its descendants (``--api-server-count`` serves from several), from /proc."""
+    tree, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        tree.append(current)
+        children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
+        pending.extend(int(child) for child in children)
+    return tree
+
+
+def cpu_seconds_by_process(pid: int) -> dict[int, float]:
+    """User + system CPU of a process and its descendants, each."""
+    return {process: cpu_seconds(process) for process in process_tree(pid)}
+
+
 class ServerProcess:
     def __init__(
         self,

@@ -10,6 +10,7 @@ in the core; the frontends load only its text side.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -25,9 +26,14 @@ import pytest
 
 from tests.conftest import API_KEY, SESSION_ENGINE, Server, assert_error, engine_flags
 from tests.fast_app import without_ids
+from tokenwire.api.app import create_app
+from tokenwire.api.forward import ForwardToCore
+from tokenwire.pipeline.core_link import CoreLink
+from tokenwire.settings import parse_serve_args
 
 PROMPT = [504, 3458, 282, 4649, 314, 260]
 GREEDY = {"temperature": 0, "max_tokens": 6}
+GENERATE = {"token_ids": PROMPT, "sampling_params": GREEDY}
 
 
 def server_args(adapter: Path) -> list[str]:
@@ -335,6 +341,50 @@ def test_a_client_that_leaves_frees_the_core(server: Server) -> None:
         while client.get("/get_load").json()["load"] and time.monotonic() < deadline:
             time.sleep(0.1)
         assert client.get("/get_load").json()["load"] == 0
+
+
+def core_http_socket(server: Server) -> str:
+    """The path of the core's HTTP socket, which the frontends forward to."""
+    pid = core_pid(server)
+    links = (os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir())
+    inodes = {link[8:-1] for link in links if link.startswith("socket:[")}
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) == 8 and fields[6] in inodes and fields[7].endswith("core-http.sock"):
+            return fields[7]
+    raise AssertionError("the core listens on no HTTP socket")
+
+
+def test_a_frontend_still_loading_lets_the_core_answer(server: Server) -> None:
+    """The port is shared: a frontend that has not loaded yet accepts requests while another
+    one answers /health 200. It forwards them all, its own routes too, and the core answers
+    them as one process does (it refused them 503 before)."""
+    settings = parse_serve_args([*server_args(Path("unused")), "--api-key", API_KEY])
+    loading = create_app(settings, core=CoreLink("unused"))  # never started: nothing loaded
+    assert loading.state.pipeline.runtime is None
+    front = ForwardToCore(loading, loading.state.pipeline, core_http_socket(server))
+    tokenize = {"prompt": "Hello there"}
+
+    async def ask() -> list[httpx.Response]:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        transport = httpx.ASGITransport(front)
+        async with httpx.AsyncClient(transport=transport, base_url="http://front") as client:
+            return [
+                await client.get("/health"),
+                await client.post("/tokenize", json=tokenize, headers=headers),
+                await client.post("/inference/v1/generate", json=GENERATE, headers=headers),
+            ]
+
+    health, tokenized, generated = asyncio.run(ask())
+    assert health.status_code == 200
+    with server.client() as client:
+        assert (
+            tokenized.status_code == 200
+            and tokenized.json() == client.post("/tokenize", json=tokenize).json()
+        )
+        expected = client.post("/inference/v1/generate", json=GENERATE).json()
+    assert generated.status_code == 200, generated.text
+    assert without_ids(generated.json()) == without_ids(expected)
 
 
 def test_sigterm_drains_every_process(server: Server) -> None:

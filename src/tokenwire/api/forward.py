@@ -1,11 +1,11 @@
 """A frontend's routes that are the core's: forwarded whole to the core's HTTP socket.
 
 Under ``--api-server-count`` a frontend serves the routes whose work is per request (see
-``FRONTEND_PATHS``) and forwards every other request, as its client sent it, to the core (the
-control routes, sessions, extend and render with their remembered prompts, metrics, ...): the
-core checks keys and bodies for those as one process does, and its answer, streamed or not,
-goes back byte for byte. A client that leaves closes the forwarded request, which ends it in
-the core as a disconnect does.
+``FRONTEND_PATHS``) and forwards every other request (and every one until it has loaded), as
+its client sent it, to the core (the control routes, sessions, extend and render with their
+remembered prompts, metrics, ...): the core checks keys and bodies for those as one process
+does, and its answer, streamed or not, goes back byte for byte. A client that leaves closes the
+forwarded request, which ends it in the core as a disconnect does.
 """
 
 from __future__ import annotations
@@ -63,10 +63,10 @@ class ForwardToCore:
         await self._forward(scope, receive, send)
 
     def _serves_here(self, scope: Scope) -> bool:
-        path = scope["path"]
-        if path == "/health":  # not ready until this frontend's own model parts are loaded
-            return self.pipeline.runtime is None
-        if path not in FRONTEND_PATHS:
+        # Until this frontend's own model parts are loaded, the core answers all it accepts, as
+        # one process does: the port is shared, and a frontend a little behind the others would
+        # refuse (503) what a client sent once /health said 200 on another one.
+        if self.pipeline.runtime is None or scope["path"] not in FRONTEND_PATHS:
             return False
         return not any(name == _SESSION_HEADER for name, _ in scope["headers"])
 
