@@ -97,18 +97,23 @@ def cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
+def socket_inodes(pid: int) -> set[str]:
+    links = (os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir())
+    return {link[8:-1] for link in links if link.startswith("socket:[")}
+
+
+def unix_sockets() -> dict[str, str]:
+    """Listening Unix sockets' paths by inode."""
+    lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    return {fields[6]: fields[7] for fields in map(str.split, lines) if len(fields) == 8}
+
+
 def core_pid(server: Server) -> int:
     """The child listening on the job channel's socket."""
-    inodes = {
-        line.split()[6]
-        for line in Path("/proc/net/unix").read_text().splitlines()[1:]
-        if line.endswith("core-jobs.sock")
-    }
+    jobs = {inode for inode, path in unix_sockets().items() if path.endswith("core-jobs.sock")}
     for pid in children(server.process.pid):
-        for fd in Path(f"/proc/{pid}/fd").iterdir():
-            link = os.readlink(fd)
-            if link.startswith("socket:[") and link[8:-1] in inodes:
-                return pid
+        if socket_inodes(pid) & jobs:
+            return pid
     raise AssertionError("no child listens on the job channel")
 
 
@@ -345,13 +350,10 @@ def test_a_client_that_leaves_frees_the_core(server: Server) -> None:
 
 def core_http_socket(server: Server) -> str:
     """The path of the core's HTTP socket, which the frontends forward to."""
-    pid = core_pid(server)
-    links = (os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir())
-    inodes = {link[8:-1] for link in links if link.startswith("socket:[")}
-    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
-        fields = line.split()
-        if len(fields) == 8 and fields[6] in inodes and fields[7].endswith("core-http.sock"):
-            return fields[7]
+    held = socket_inodes(core_pid(server))
+    for inode, path in unix_sockets().items():
+        if inode in held and path.endswith("core-http.sock"):
+            return path
     raise AssertionError("the core listens on no HTTP socket")
 
 
