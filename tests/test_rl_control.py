@@ -131,6 +131,17 @@ class Stream:
             assert time.monotonic() < deadline and not self.done.is_set(), "stream stalled"
             time.sleep(0.02)
 
+    def settled_count(self, quiet_s: float = 0.5) -> int:
+        """Its token count once no chunk came for ``quiet_s``: after a pause, what was sent
+        before it may still be on its way (a loaded machine delays it)."""
+        count, since, deadline = len(self.tokens()), time.monotonic(), time.monotonic() + 30
+        while time.monotonic() - since < quiet_s:
+            assert time.monotonic() < deadline, "the stream never stopped"
+            time.sleep(0.05)
+            if len(self.tokens()) != count:
+                count, since = len(self.tokens()), time.monotonic()
+        return count
+
     def final(self) -> dict:
         assert self.done.wait(120), "stream did not end"
         return next(ch for c in self.chunks for ch in c["choices"] if ch["finish_reason"])
@@ -187,8 +198,7 @@ def test_pause_keep_freezes_and_continues_unchanged(rl_server: Server, rl: httpx
     stream = Stream(rl_server, [1, 2, 3], max_tokens=16, ignore_eos=True)
     stream.wait_for_tokens(2)
     ok(rl.post("/pause", params={"mode": "keep"}))
-    time.sleep(0.3)  # chunks sent before the pause may still be on their way
-    frozen = len(stream.tokens())
+    frozen = stream.settled_count()
     # A new request queues instead of being refused, and nothing moves while paused.
     queued = Stream(rl_server, [4, 5, 6], max_tokens=4, ignore_eos=True)
     deadline = time.monotonic() + 60
@@ -217,8 +227,7 @@ def test_training_loop_reload_versions_and_parity(
     stream = Stream(rl_server, prompt_ids, max_tokens=24, ignore_eos=True)
     stream.wait_for_tokens(4)
     ok(rl.post("/pause", params={"mode": "keep", "clear_cache": "true"}))
-    time.sleep(0.3)  # chunks sent before the pause may still be on their way
-    before = len(stream.tokens())
+    before = stream.settled_count()
     loaded = ok(
         rl.post(
             "/update_weights", json={"weight_dir": str(perturbed_dir), "weight_version": "step-1"}
