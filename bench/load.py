@@ -7,9 +7,10 @@ aborted by id mid-way. Half-way through, the poison requests are sent (sampling 
 overflow float32, and the most extreme ones the server accepts); each may fail, nothing else may.
 
 Prints statuses and latency percentiles per kind, the poisons' answers, the server's RSS before
-and after (summed over its processes) and the engine slots still in use after. Exits 1 if any request but the poisons got a
-5xx or a failed stream, a request that was not aborted ended "abort", a slot is left, or RSS
-(less the prefix cache, sized by its flag) is not back within 10% of the warm start.
+and after (summed over its processes) and the engine slots still in use after. Exits 1 if any
+request but the poisons got a 5xx or a failed stream, a request that was not aborted ended
+"abort", a slot is left, or RSS (less the prefix cache, sized by its flag) is not back within
+10% of the warm start.
 
 Usage: ``python bench/load.py [--clients 128] [--duration 120] [--warmup 10] [--rounds 1]
 [--api-server-count 1]``
