@@ -279,7 +279,10 @@ def test_areal_lora_two_step(
     ok(server.post("/areal_continue_generation", json={}))  # the trainer stopped paused
     again = ok(lora_greedy(server, "default_lora-v1", prompt_ids))["choices"][0]
     assert again["token_ids"] == choice["token_ids"]
-    assert [e["logprob"] for e in again["logprobs"]["content"]] == got
+    # Equal up to what the prefix cache's state changes (a prompt's KV cached or computed
+    # afresh: 1e-5 was seen), which is PEFT's bound above.
+    again_logprobs = [e["logprob"] for e in again["logprobs"]["content"]]
+    assert max(abs(a - b) for a, b in zip(again_logprobs, got, strict=True)) <= 1e-4
 
 
 def test_trl_vllm_client(
