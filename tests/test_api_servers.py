@@ -370,7 +370,10 @@ def test_a_frontend_still_loading_lets_the_core_answer(server: Server) -> None:
     async def ask() -> list[httpx.Response]:
         headers = {"Authorization": f"Bearer {API_KEY}"}
         transport = httpx.ASGITransport(front)
-        async with httpx.AsyncClient(transport=transport, base_url="http://front") as client:
+        async with (
+            front.client,  # its connections to the core
+            httpx.AsyncClient(transport=transport, base_url="http://front") as client,
+        ):
             return [
                 await client.get("/health"),
                 await client.post("/tokenize", json=tokenize, headers=headers),
