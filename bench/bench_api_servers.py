@@ -31,7 +31,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from bench_small_request import load, workloads
-from serverbench import ServerProcess, cpu_seconds_by_process, free_port, tree_env
+from serverbench import ServerProcess, cpu_seconds_by_process, free_port, process_tree, tree_env
 
 HERE = Path(__file__).resolve().parent
 
@@ -68,7 +68,7 @@ def core_of(pid: int) -> int | None:
         for line in Path("/proc/net/unix").read_text().splitlines()[1:]
         if line.endswith("core-jobs.sock")
     }
-    for child in cpu_seconds_by_process(pid):
+    for child in process_tree(pid):
         for fd in Path(f"/proc/{child}/fd").iterdir():
             with contextlib.suppress(OSError):
                 if os.readlink(fd).removeprefix("socket:[").rstrip("]") in inodes:

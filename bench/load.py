@@ -232,7 +232,8 @@ def _own_rss_mib(pid: int) -> float:
     raise RuntimeError("no VmRSS")
 
 
-def cpu_seconds(pid: int) -> float:
+def server_cpu_seconds(pid: int) -> float:
+    """CPU of every process the server runs (``--api-server-count``)."""
     return sum(cpu_seconds_by_process(pid).values())
 
 
@@ -324,12 +325,12 @@ def main() -> int:
         print(f"server pid {pid}; {args.clients} clients for {args.duration:.0f} s on {url}")
         problems: list[str] = []
         for round_index in range(args.rounds):
-            started, cpu_before = time.perf_counter(), cpu_seconds(pid)
+            started, cpu_before = time.perf_counter(), server_cpu_seconds(pid)
             tokens_before = engine_gauges(url)["tokens_generated"]
             poison = not args.no_poison and round_index == 0
             run = asyncio.run(drive(url, args.clients, args.duration, prompts, poison))
             elapsed = time.perf_counter() - started
-            server_cpu = cpu_seconds(pid) - cpu_before
+            server_cpu = server_cpu_seconds(pid) - cpu_before
             tokens = engine_gauges(url)["tokens_generated"] - tokens_before
             slots = settle(url)
             rss.append(rss_mib(pid))
